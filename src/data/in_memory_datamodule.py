@@ -1,0 +1,133 @@
+"""Shared DataModule machinery: global batch size, seeded validation split, exact distributed evaluation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning import LightningDataModule
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from src.data.components.in_memory import InMemoryDataset, keep_batch
+from src.utils.errors import ConfigError
+
+
+class InMemoryDataModule(LightningDataModule):
+    """Base for datasets that fit in memory as tensors.
+
+    * ``batch_size`` is **global**: each data-parallel replica gets ``batch_size // replicas``
+      (replicas = DDP world size, or the data-parallel size of a pipeline run; ``dp`` is one
+      process and splits the global batch itself). A remainder is an error.
+    * Training uses Lightning's injected ``DistributedSampler``, which pads each epoch with
+      up to ``replicas - 1`` repeated samples so all ranks step together; the loader drops
+      the last incomplete batch.
+    * Evaluation uses an unpadded sampler (uneven shards), so distributed val/test metrics
+      are computed over every sample exactly once and match a single-device run.
+
+    Subclasses implement :meth:`load_split` and :meth:`transform_batch`.
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data/",
+        batch_size: int = 128,
+        val_size: int = 5000,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 12345,
+    ) -> None:
+        super().__init__()
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ConfigError(f"data.batch_size must be a positive integer (global batch), got {batch_size!r}")
+        if val_size < 0:
+            raise ConfigError(f"data.val_size must be >= 0, got {val_size}")
+        self.save_hyperparameters(logger=False)
+        self.data_train: InMemoryDataset | None = None
+        self.data_val: InMemoryDataset | None = None
+        self.data_test: InMemoryDataset | None = None
+        self.batch_size_per_replica = batch_size
+
+    # -- what subclasses provide -------------------------------------------------
+    def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
+        """Return ``(inputs, targets)`` tensors of the train or test split."""
+        raise NotImplementedError
+
+    def transform_batch(self, inputs: Tensor, training: bool) -> Tensor:
+        """Turn a stored batch into model input (normalize; augment when ``training``)."""
+        return inputs
+
+    # -- Lightning hooks ---------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        self.batch_size_per_replica = self._per_replica_batch_size()
+        if self.data_train is not None:
+            return
+        inputs, targets = self.load_split(train=True)
+        n_val = self.hparams.val_size
+        if n_val >= len(inputs):
+            raise ConfigError(f"data.val_size={n_val} leaves no training data ({len(inputs)} samples)")
+        order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(self.hparams.seed))
+        val_idx, train_idx = order[:n_val], order[n_val:]
+        self.data_train = InMemoryDataset(inputs[train_idx], targets[train_idx])
+        self.data_val = InMemoryDataset(inputs[val_idx], targets[val_idx])
+        self.data_test = InMemoryDataset(*self.load_split(train=False))
+
+    def train_dataloader(self) -> DataLoader:
+        if len(self.data_train) < self.batch_size_per_replica * self._replicas()[0]:
+            raise ConfigError(
+                f"data.batch_size={self.hparams.batch_size} is larger than the training set "
+                f"({len(self.data_train)} samples): lower it"
+            )
+        return self._loader(self.data_train, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.data_val)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.data_test)
+
+    def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
+        inputs, targets = batch
+        training = self.trainer is not None and self.trainer.training
+        return self.transform_batch(inputs, training=training), targets
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batch_size": self.hparams.batch_size, "seed": self.hparams.seed}
+
+    # -- helpers -----------------------------------------------------------------
+    def _replicas(self) -> tuple[int, int]:
+        """(number of data-parallel replicas, this replica's index) from the trainer's strategy."""
+        strategy = getattr(self.trainer, "strategy", None)
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def _per_replica_batch_size(self) -> int:
+        replicas, _ = self._replicas()
+        batch = self.hparams.batch_size
+        if batch % replicas:
+            raise ConfigError(
+                f"data.batch_size={batch} is the global batch and must divide evenly across {replicas} "
+                f"data-parallel replicas: use a multiple of {replicas}"
+            )
+        return batch // replicas
+
+    def _loader(self, dataset: InMemoryDataset, **kwargs: Any) -> DataLoader:
+        workers = self.hparams.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size_per_replica,
+            collate_fn=keep_batch,
+            num_workers=workers,
+            pin_memory=self.hparams.pin_memory,
+            persistent_workers=workers > 0,
+            **kwargs,
+        )
+
+    def _eval_loader(self, dataset: InMemoryDataset) -> DataLoader:
+        replicas, rank = self._replicas()
+        if replicas == 1:
+            return self._loader(dataset, shuffle=False)
+        # A DistributedSampler subclass, so Lightning keeps it instead of injecting a padded one.
+        sampler = UnrepeatedDistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=False)
+        return self._loader(dataset, sampler=sampler)

@@ -1,0 +1,38 @@
+"""Regression with mean-squared error, for the toy model on synthetic data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric, MinMetric
+
+from src.models.step_module import STAGES, StepModule, StepOutput
+
+
+class RegressionModule(StepModule):
+    """Logs ``{train,val,test}/loss`` (exact sample-weighted MSE across ranks) and ``val/loss_best``."""
+
+    def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, compile: bool = False) -> None:
+        super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile)
+        self.loss_metric = nn.ModuleDict({s: MeanMetric(nan_strategy="disable") for s in STAGES})
+        self.val_loss_best = MinMetric()
+
+    def criterion(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.mse_loss(output, target)
+
+    def record_step(self, stage: str, out: StepOutput) -> Tensor:
+        loss = out["loss"]
+        self.loss_metric[stage].update(loss.detach(), weight=out["target"].shape[0])
+        self.log(f"{stage}/loss", self.loss_metric[stage], on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def on_train_start(self) -> None:
+        self.val_loss_best.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        self.val_loss_best(self.loss_metric["val"].compute())
+        self.log("val/loss_best", self.val_loss_best.compute(), sync_dist=True, prog_bar=True)

@@ -1,0 +1,77 @@
+"""Base LightningModule with a step protocol that parallel strategies can split apart.
+
+A training step is two halves:
+
+* ``model_step(batch) -> StepOutput``: pure computation (forward and loss), no logging;
+* ``record_step(stage, out) -> loss``: metric updates and ``self.log``, once per *global* batch.
+
+Single-process and DDP training call both in order (``training_step``). The ``dp``
+strategy runs ``model_step`` on shards in parallel and ``record_step`` once on the
+gathered outputs; the ``pipeline`` strategy computes the outputs across stages and then
+calls ``record_step``. Keeping logging out of the parallel half is what makes the metric
+updates race-free and exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+import torch
+from lightning import LightningModule
+from torch import Tensor, nn
+
+
+class StepOutput(TypedDict):
+    loss: Tensor  # mean loss over the samples of this (sub-)batch
+    output: Tensor  # network output, one row per sample
+    target: Tensor
+
+
+STAGES = ("train", "val", "test")
+
+
+class StepModule(LightningModule):
+    """Holds ``net``, builds the optimizer/scheduler from partial configs, and wires the steps."""
+
+    def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, compile: bool = False) -> None:
+        super().__init__()
+        # `net` is a module: keep it out of hparams (it is in the state dict already).
+        self.save_hyperparameters(logger=False, ignore=["net"])
+        self.net = net
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def criterion(self, output: Tensor, target: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def model_step(self, batch: tuple[Tensor, Tensor]) -> StepOutput:
+        x, target = batch
+        output = self(x)
+        return StepOutput(loss=self.criterion(output, target), output=output, target=target)
+
+    def record_step(self, stage: str, out: StepOutput) -> Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.record_step("train", self.model_step(batch))
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.record_step("val", self.model_step(batch))
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.record_step("test", self.model_step(batch))
+
+    def setup(self, stage: str) -> None:
+        if self.hparams.compile and stage == "fit":
+            self.net = torch.compile(self.net)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = self.hparams.optimizer(params=[p for p in self.parameters() if p.requires_grad])
+        if self.hparams.scheduler is None:
+            return {"optimizer": optimizer}
+        scheduler = self.hparams.scheduler(optimizer=optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": "epoch", "frequency": 1},
+        }
