@@ -49,8 +49,12 @@ class CIFAR10DataModule(InMemoryDataModule):
         num_workers: int = 0,
         pin_memory: bool = False,
         seed: int = 12345,
+        channels: int | None = None,
+        image_size: int | None = None,
+        num_classes: int | None = None,
     ) -> None:
         super().__init__(data_dir, batch_size, val_size, num_workers, pin_memory, seed)
+        self._check_shape(channels=channels, image_size=image_size, num_classes=num_classes)
 
     def prepare_data(self) -> None:
         root = self.hparams.data_dir

@@ -49,6 +49,13 @@ class InMemoryDataModule(LightningDataModule):
         self.data_test: InMemoryDataset | None = None
         self.batch_size_per_replica = batch_size
 
+    def _check_shape(self, **given: int | None) -> None:
+        """Configs repeat the data shape for models to interpolate; it must match the dataset."""
+        for name, value in given.items():
+            actual = getattr(self, name)
+            if value is not None and value != actual:
+                raise ConfigError(f"data.{name}={value} but {type(self).__name__} provides {actual}: remove the override")
+
     # -- what subclasses provide -------------------------------------------------
     def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
         """Return ``(inputs, targets)`` tensors of the train or test split."""

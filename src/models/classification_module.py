@@ -30,10 +30,9 @@ class ClassificationModule(StepModule):
         compile: bool = False,
     ) -> None:
         super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile)
-        self.loss_metric = nn.ModuleDict({s: MeanMetric(nan_strategy="disable") for s in STAGES})
-        self.acc_metric = nn.ModuleDict(
-            {s: MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False) for s in STAGES}
-        )
+        for stage in STAGES:  # train_loss, val_loss, test_loss, train_acc, ...
+            setattr(self, f"{stage}_loss", MeanMetric(nan_strategy="disable"))
+            setattr(self, f"{stage}_acc", MulticlassAccuracy(num_classes, average="micro", validate_args=False))
         self.val_acc_best = MaxMetric()
 
     def criterion(self, output: Tensor, target: Tensor) -> Tensor:
@@ -41,10 +40,11 @@ class ClassificationModule(StepModule):
 
     def record_step(self, stage: str, out: StepOutput) -> Tensor:
         loss, target = out["loss"], out["target"]
-        self.loss_metric[stage].update(loss.detach(), weight=target.numel())
-        self.acc_metric[stage].update(out["output"].detach().argmax(dim=1), target)
-        self.log(f"{stage}/loss", self.loss_metric[stage], on_step=False, on_epoch=True, prog_bar=True)
-        self.log(f"{stage}/acc", self.acc_metric[stage], on_step=False, on_epoch=True, prog_bar=True)
+        loss_metric, acc_metric = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_acc")
+        loss_metric.update(loss.detach(), weight=target.numel())
+        acc_metric.update(out["output"].detach().argmax(dim=1), target)
+        self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
+        self.log(f"{stage}/acc", acc_metric, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 
     def on_train_start(self) -> None:
@@ -54,6 +54,6 @@ class ClassificationModule(StepModule):
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
-        self.val_acc_best(self.acc_metric["val"].compute())
+        self.val_acc_best(self.val_acc.compute())
         # Identical on every rank (the accuracy is already synced), so the mean is exact.
         self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)

@@ -16,7 +16,8 @@ class RegressionModule(StepModule):
 
     def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, compile: bool = False) -> None:
         super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile)
-        self.loss_metric = nn.ModuleDict({s: MeanMetric(nan_strategy="disable") for s in STAGES})
+        for stage in STAGES:  # train_loss, val_loss, test_loss
+            setattr(self, f"{stage}_loss", MeanMetric(nan_strategy="disable"))
         self.val_loss_best = MinMetric()
 
     def criterion(self, output: Tensor, target: Tensor) -> Tensor:
@@ -24,8 +25,9 @@ class RegressionModule(StepModule):
 
     def record_step(self, stage: str, out: StepOutput) -> Tensor:
         loss = out["loss"]
-        self.loss_metric[stage].update(loss.detach(), weight=out["target"].shape[0])
-        self.log(f"{stage}/loss", self.loss_metric[stage], on_step=False, on_epoch=True, prog_bar=True)
+        loss_metric = getattr(self, f"{stage}_loss")
+        loss_metric.update(loss.detach(), weight=out["target"].shape[0])
+        self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 
     def on_train_start(self) -> None:
@@ -34,5 +36,5 @@ class RegressionModule(StepModule):
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
-        self.val_loss_best(self.loss_metric["val"].compute())
+        self.val_loss_best(self.val_loss.compute())
         self.log("val/loss_best", self.val_loss_best.compute(), sync_dist=True, prog_bar=True)

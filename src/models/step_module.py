@@ -35,9 +35,12 @@ class StepModule(LightningModule):
 
     def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, compile: bool = False) -> None:
         super().__init__()
-        # `net` is a module: keep it out of hparams (it is in the state dict already).
-        self.save_hyperparameters(logger=False, ignore=["net"])
+        # Only plain values go into the checkpoint's hparams, so it loads with torch.load(weights_only=True):
+        # `net` is in the state dict already, and the optimizer/scheduler partials are code, not data.
+        self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
         self.net = net
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -67,10 +70,10 @@ class StepModule(LightningModule):
             self.net = torch.compile(self.net)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = self.hparams.optimizer(params=[p for p in self.parameters() if p.requires_grad])
-        if self.hparams.scheduler is None:
+        optimizer = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
             return {"optimizer": optimizer}
-        scheduler = self.hparams.scheduler(optimizer=optimizer)
+        scheduler = self.scheduler_factory(optimizer=optimizer)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": "epoch", "frequency": 1},

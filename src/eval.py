@@ -1,0 +1,68 @@
+"""Evaluate a checkpoint on the test split.
+
+    python src/eval.py ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt
+    python src/eval.py ckpt_path=... trainer=ddp trainer.devices=2   # same metrics, exactly
+
+Checkpoints from every strategy (single device, dp, ddp, pipeline) hold the full,
+unsplit model, so they all load here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+
+import hydra  # noqa: E402
+import lightning as L  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from src.strategies import register_strategies  # noqa: E402
+from src.strategies.checks import check_trainer_config  # noqa: E402
+from src.utils.checkpoint import check_checkpoint  # noqa: E402
+from src.utils.config_checks import check_model_data_pair  # noqa: E402
+from src.utils.hydra_launch import isolated_job, patch_lightning_launcher  # noqa: E402
+from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
+from src.utils.pylogger import RankedLogger  # noqa: E402
+from src.utils.resolvers import register_resolvers  # noqa: E402
+from src.utils.task import extras, task_wrapper  # noqa: E402
+
+log = RankedLogger(__name__)
+register_resolvers()
+
+
+@task_wrapper
+def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Test ``cfg.ckpt_path``; returns ``(metric_dict, object_dict)``."""
+    check_model_data_pair(cfg)
+    check_trainer_config(cfg.trainer)
+    register_strategies()
+    patch_lightning_launcher()
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    check_checkpoint(cfg.ckpt_path, model)
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")), logger=instantiate_loggers(cfg.get("logger"))
+    )
+    log.info(f"Testing checkpoint {cfg.ckpt_path}")
+    trainer.test(model=model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "trainer": trainer}
+    return dict(trainer.callback_metrics), objects
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")
+def main(cfg: DictConfig) -> None:
+    with isolated_job():
+        extras(cfg)
+        evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()

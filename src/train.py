@@ -1,0 +1,92 @@
+"""Train a model, then test its best checkpoint.
+
+    python src/train.py                                    # Fashion-MNIST MLP, one device
+    python src/train.py trainer=ddp trainer.devices=4      # DDP, 4 processes (gloo on CPU, nccl on GPU)
+    python src/train.py trainer=ddp_spawn trainer.devices=2
+    python src/train.py trainer=dp trainer.devices=2       # one process, batch split across devices
+    python src/train.py trainer=pipeline trainer.devices=2 # model split into 2 pipeline stages
+    torchrun --nproc_per_node=2 src/train.py trainer=ddp trainer.devices=2
+    python src/train.py -m trainer=ddp trainer.devices=2 model.optimizer.lr=0.01,0.1
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script without installing the package
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+
+import hydra  # noqa: E402
+import lightning as L  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from src.strategies import register_strategies  # noqa: E402
+from src.strategies.checks import check_trainer_config  # noqa: E402
+from src.utils.checkpoint import check_checkpoint  # noqa: E402
+from src.utils.config_checks import check_model_data_pair  # noqa: E402
+from src.utils.hydra_launch import isolated_job, patch_lightning_launcher  # noqa: E402
+from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
+from src.utils.pylogger import RankedLogger  # noqa: E402
+from src.utils.resolvers import register_resolvers  # noqa: E402
+from src.utils.task import extras, get_metric_value, task_wrapper  # noqa: E402
+
+log = RankedLogger(__name__)
+register_resolvers()
+
+
+@task_wrapper
+def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fit (optionally resuming from ``cfg.ckpt_path``), then test the best checkpoint.
+
+    Returns ``(metric_dict, object_dict)`` so tests and sweeps can look inside.
+    """
+    check_model_data_pair(cfg)
+    check_trainer_config(cfg.trainer)
+    register_strategies()
+    patch_lightning_launcher()
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)  # same seed on every rank: replicas start identical
+
+    log.info(f"Instantiating datamodule <{cfg.data._target_}>")
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    log.info(f"Instantiating model <{cfg.model._target_}>")
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    if cfg.get("ckpt_path"):
+        check_checkpoint(cfg.ckpt_path, model)
+    callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    loggers = instantiate_loggers(cfg.get("logger"))
+    log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks,
+               "logger": loggers, "trainer": trainer}
+
+    if cfg.get("train"):
+        trainer.fit(model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    train_metrics = dict(trainer.callback_metrics)
+
+    test_metrics: dict[str, Any] = {}
+    if cfg.get("test"):
+        ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        if not ckpt:
+            log.warning("No best checkpoint found: testing the weights at the end of training")
+        trainer.test(model=model, datamodule=datamodule, ckpt_path=ckpt or None)
+        test_metrics = dict(trainer.callback_metrics)
+        log.info(f"Best checkpoint: {ckpt or '-'}")
+    return {**train_metrics, **test_metrics}, objects
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
+def main(cfg: DictConfig) -> float | None:
+    """Hydra entry: returns the optimized metric so sweepers can read it."""
+    with isolated_job():
+        extras(cfg)
+        metric_dict, _ = train(cfg)
+        return get_metric_value(metric_dict, cfg.get("optimized_metric"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""Cross-group consistency checks that Hydra cannot express."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from src.utils.errors import ConfigError
+
+
+def check_model_data_pair(cfg: DictConfig) -> None:
+    """The toy regression model needs the toy data, and classifiers need labelled images."""
+    regression_model = str(cfg.model.get("_target_", "")).endswith("RegressionModule")
+    regression_data = "num_classes" not in cfg.data
+    if regression_model and not regression_data:
+        raise ConfigError("model=toy is a regression model for synthetic vectors: use data=toy (or experiment=toy)")
+    if regression_data and not regression_model:
+        raise ConfigError("data=toy is regression data: use model=toy (or experiment=toy)")

@@ -1,0 +1,34 @@
+"""Build lists of callbacks and loggers from their config groups with Hydra's ``instantiate``."""
+
+from __future__ import annotations
+
+import hydra
+from lightning import Callback
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig
+
+from src.utils.errors import ConfigError
+
+
+def instantiate_group(cfg: DictConfig | None, kind: type, group: str) -> list:
+    """Instantiate every ``_target_`` node under ``cfg``; each must build an instance of ``kind``."""
+    objects: list = []
+    if not cfg:
+        return objects
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{group} config must be a mapping of name -> object config")
+    for name, node in cfg.items():
+        if isinstance(node, DictConfig) and "_target_" in node:
+            obj = hydra.utils.instantiate(node)
+            if not isinstance(obj, kind):
+                raise ConfigError(f"{group}.{name} built a {type(obj).__name__}, not a {kind.__name__}")
+            objects.append(obj)
+    return objects
+
+
+def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:
+    return instantiate_group(cfg, Callback, "callbacks")
+
+
+def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
+    return instantiate_group(cfg, Logger, "logger")

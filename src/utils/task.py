@@ -1,0 +1,68 @@
+"""Helpers around the train/eval task functions: error reporting, extras, metric lookup."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig
+
+from src.utils.errors import ConfigError, UserError
+from src.utils.pylogger import RankedLogger
+from src.utils.rich_utils import print_config_tree
+
+log = RankedLogger(__name__)
+
+
+def task_wrapper(task: Callable[[DictConfig], tuple[dict, dict]]) -> Callable[[DictConfig], tuple[dict, dict]]:
+    """Run a task; always log the output dir and close loggers; turn a :class:`UserError` into one line + exit 2.
+
+    Exiting (rather than raising) keeps Hydra from printing a traceback around an error
+    the user can fix from its message alone.
+    """
+
+    @functools.wraps(task)
+    def wrapped(cfg: DictConfig) -> tuple[dict, dict]:
+        try:
+            return task(cfg)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        finally:
+            log.info(f"Output dir: {cfg.paths.output_dir}")
+            _finish_wandb()
+
+    return wrapped
+
+
+def _finish_wandb() -> None:
+    """wandb keeps a background process that would hang a failed multirun; close it if it was imported."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+
+
+def extras(cfg: DictConfig) -> None:
+    """Optional conveniences from ``cfg.extras``: silence warnings, print the config tree."""
+    opts = cfg.get("extras")
+    if not opts:
+        return
+    if opts.get("ignore_warnings"):
+        warnings.filterwarnings("ignore")
+    if opts.get("print_config"):
+        print_config_tree(cfg, save_to_file=True)
+
+
+def get_metric_value(metric_dict: dict[str, Any], metric_name: str | None) -> float | None:
+    """The value a sweep optimizes; a clear error when the metric was never logged."""
+    if not metric_name:
+        return None
+    if metric_name not in metric_dict:
+        raise ConfigError(
+            f"optimized_metric={metric_name!r} was not logged; logged metrics: {sorted(metric_dict)}"
+        )
+    value = metric_dict[metric_name]
+    return float(value.item() if hasattr(value, "item") else value)
