@@ -1,0 +1,239 @@
+"""``dp``: single-process data parallelism (``torch.nn.DataParallel`` semantics) for Lightning 2.x.
+
+Lightning 2.0 removed its DataParallel strategy; this one is built on the project's step
+protocol (:mod:`src.models.step_module`) instead of wrapping the module:
+
+1. the global batch (``data.batch_size`` samples, all of it: ``distributed_sampler_kwargs``
+   report one replica) is split into one shard per device;
+2. each device gets a replica (CUDA: ``torch.nn.parallel.replicate``; CPU: replicas sharing the
+   root's parameter tensors) and runs ``model_step(shard)`` in its own thread;
+3. the step outputs are gathered on the root device (``loss`` as the sample-weighted mean, so
+   it equals the full-batch loss; ``output``/``target`` concatenated in order);
+4. ``record_step(stage, gathered)`` runs ONCE on the main thread: logging and torchmetrics
+   updates see the whole batch, race-free.
+
+Backward of the gathered loss sums every shard's gradient into the root parameters, so one
+dp step equals one single-device step on the full batch (up to float rounding; BatchNorm
+normalizes each shard separately, as with ``nn.DataParallel``). On CPU, ``devices=N`` gives N
+threads over the same parameters: real parallel execution of the same logic, so it is tested
+without GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities import move_data_to_device
+from lightning.pytorch.plugins import LayerSync
+from lightning.pytorch.strategies import ParallelStrategy
+from torch import Tensor
+
+from src.strategies.dp_parallel import (
+    ShardRunner,
+    batch_size_of,
+    bound_forwards,
+    gather_step_outputs,
+    make_replicas,
+    shard_sizes,
+    split_batch,
+)
+from src.utils.errors import ConfigError
+
+
+class DataParallelStrategy(ParallelStrategy):
+    """Split each batch across ``trainer.devices`` devices of one process; see the module docstring.
+
+    The Trainer fills in ``parallel_devices`` from ``accelerator``/``devices`` (CPU ``devices=2``
+    gives two CPU "devices", i.e. two threads on the same CPU). Checkpoints hold the root
+    module's plain state dict, loadable by any single-device run.
+    """
+
+    strategy_name = "dp"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any | None = None,
+        precision_plugin: pl.plugins.Precision | None = None,
+    ) -> None:
+        self._num_nodes = 1
+        self._runner: ShardRunner | None = None
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+
+    # -- configuration checks (the accelerator connector sets these while the Trainer is built) ----
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ConfigError(
+                f"trainer.num_nodes={num_nodes}: dp is single-process; use trainer=ddp for several nodes"
+            )
+        self._num_nodes = num_nodes
+
+    @property
+    def _layer_sync(self) -> LayerSync | None:
+        return None
+
+    @_layer_sync.setter
+    def _layer_sync(self, layer_sync: LayerSync | None) -> None:
+        if layer_sync is not None:
+            raise ConfigError(
+                "trainer.sync_batchnorm=true needs a process group and does not apply to dp (each shard "
+                "normalizes separately, as in nn.DataParallel): set trainer.sync_batchnorm=false or use trainer=ddp"
+            )
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if devices:
+            kinds = {d.type for d in devices}
+            if len(kinds) > 1 or not kinds <= {"cpu", "cuda"}:
+                raise ConfigError(f"dp runs on CPU threads or on CUDA devices of one kind, got {devices}")
+            if "cuda" in kinds and max(d.index or 0 for d in devices) >= torch.cuda.device_count():
+                raise ConfigError(
+                    f"dp was given {devices} but only {torch.cuda.device_count()} GPU(s) are visible: "
+                    "lower trainer.devices"
+                )
+        self._parallel_devices = devices
+
+    # -- one process: ranks and collectives are trivial --------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError(
+                "DataParallelStrategy has no devices yet: the Trainer sets them from trainer.devices"
+            )
+        return self.parallel_devices[0]
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # One replica: the DataModule hands the whole global batch to the strategy, which splits it.
+        return {"num_replicas": 1, "rank": 0}
+
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
+    ) -> Tensor | Any:
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def connect(self, model: pl.LightningModule) -> None:
+        missing = [name for name in ("model_step", "record_step") if not callable(getattr(model, name, None))]
+        if missing:
+            raise ConfigError(
+                f"the dp strategy needs the StepModule protocol (model_step/record_step); "
+                f"{type(model).__name__} lacks {', '.join(missing)}: subclass src.models.step_module.StepModule"
+            )
+        if not model.automatic_optimization:
+            raise ConfigError(
+                f"{type(model).__name__} uses manual optimization, which dp does not support "
+                "(it drives model_step/record_step itself): use a single device or trainer=ddp"
+            )
+        super().connect(model)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        # After LightningModule.setup, so a `torch.compile`d net is visible here, before training.
+        bound = bound_forwards(self.lightning_module)
+        if bound:
+            raise ConfigError(
+                f"dp cannot replicate modules whose forward is bound to the instance ({', '.join(bound)}; e.g. by "
+                "torch.compile): a replica would run the original's parameters. Set model.compile=false"
+            )
+        super().setup(trainer)
+        self._runner = ShardRunner(len(self.parallel_devices))
+
+    def model_to_device(self) -> None:
+        self.lightning_module.to(self.root_device)
+
+    def teardown(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        super().teardown()
+
+    # -- the steps ---------------------------------------------------------------------------------
+    def training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Tensor:
+        return self._parallel_step("train", batch, self.precision_plugin.train_step_context)
+
+    def validation_step(self, batch: Any, *args: Any, **kwargs: Any) -> None:
+        self._parallel_step("val", batch, self.precision_plugin.val_step_context)
+
+    def test_step(self, batch: Any, *args: Any, **kwargs: Any) -> None:
+        self._parallel_step("test", batch, self.precision_plugin.test_step_context)
+
+    def _parallel_step(self, stage: str, batch: Any, context: Callable[[], AbstractContextManager]) -> Tensor:
+        """Scatter ``batch``, run ``model_step`` on every shard in parallel, gather, ``record_step`` once."""
+        module = self.lightning_module
+        devices = self.parallel_devices
+        size = batch_size_of(batch)
+        if size < len(devices):
+            if stage == "train":
+                raise ConfigError(
+                    f"batch of {size} samples cannot be split across {len(devices)} dp devices; raise data.batch_size"
+                )
+            devices = devices[:size]  # a short last eval batch runs on fewer devices, like nn.DataParallel
+        sizes = shard_sizes(size, len(devices))
+        shards = [move_data_to_device(s, d) for s, d in zip(split_batch(batch, sizes), devices, strict=True)]
+        with context():
+            replicas = make_replicas(module, devices)
+            outputs = self._runner.run(_model_step, list(zip(replicas, shards, strict=True)), devices)
+            gathered = gather_step_outputs(outputs, sizes, self.root_device)
+            return module.record_step(stage, gathered)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Single-process data parallel: batch split across devices, one thread per device",
+            override=True,  # idempotent: importing src.strategies twice must not fail
+        )
+
+
+def _model_step(replica: pl.LightningModule, shard: Any) -> Any:
+    return replica.model_step(shard)
