@@ -27,7 +27,7 @@ from omegaconf import DictConfig  # noqa: E402
 from src.strategies import register_strategies  # noqa: E402
 from src.strategies.checks import check_trainer_config  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
-from src.utils.config_checks import check_model_data_pair  # noqa: E402
+from src.utils.config_checks import check_batch_size, check_model_data_pair  # noqa: E402
 from src.utils.hydra_launch import isolated_job, patch_lightning_launcher  # noqa: E402
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
 from src.utils.pylogger import RankedLogger  # noqa: E402
@@ -61,6 +61,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     loggers = instantiate_loggers(cfg.get("logger"))
     log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    check_batch_size(datamodule, trainer)  # before any process is launched
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks,
                "logger": loggers, "trainer": trainer}
 

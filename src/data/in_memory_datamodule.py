@@ -110,7 +110,10 @@ class InMemoryDataModule(LightningDataModule):
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
     def _per_replica_batch_size(self) -> int:
-        replicas, _ = self._replicas()
+        return self.per_replica_batch_size(self._replicas()[0])
+
+    def per_replica_batch_size(self, replicas: int) -> int:
+        """``batch_size // replicas``; a ConfigError when it does not divide (call before launching processes)."""
         batch = self.hparams.batch_size
         if batch % replicas:
             raise ConfigError(

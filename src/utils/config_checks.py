@@ -15,3 +15,14 @@ def check_model_data_pair(cfg: DictConfig) -> None:
         raise ConfigError("model=toy is a regression model for synthetic vectors: use data=toy (or experiment=toy)")
     if regression_data and not regression_model:
         raise ConfigError("data=toy is regression data: use model=toy (or experiment=toy)")
+
+
+def check_batch_size(datamodule, trainer) -> None:
+    """The global batch must split evenly over the data-parallel replicas the strategy will create.
+
+    ``distributed_sampler_kwargs`` is known as soon as the Trainer exists, before the
+    launcher starts any process, so a bad batch size fails once, in the parent.
+    """
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    if hasattr(datamodule, "per_replica_batch_size"):
+        datamodule.per_replica_batch_size(int(kwargs.get("num_replicas", 1)))

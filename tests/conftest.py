@@ -1,0 +1,60 @@
+"""Shared fixtures: composed train/eval configs and small data on disk."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.config import ROOT, compose_cfg
+
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+
+
+@pytest.fixture
+def cfg_train(tmp_path):
+    """Default training config (Fashion-MNIST MLP), CPU, a few batches, output in tmp."""
+    return compose_cfg("train", [], tmp_path)
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """``make_cfg("train", ["model=resnet18"])`` -> a composed, tiny config writing into tmp_path."""
+
+    def _make(config_name: str = "train", overrides=(), subdir: str = "", tiny: bool = True):
+        out = tmp_path / subdir if subdir else tmp_path
+        out.mkdir(parents=True, exist_ok=True)
+        return compose_cfg(config_name, list(overrides), out, tiny=tiny)
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def synthetic_cifar10(tmp_path_factory) -> Path:
+    """SYNTHETIC CIFAR-10 files in the real on-disk format, written by the project's script."""
+    out = tmp_path_factory.mktemp("cifar")
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts/make_synthetic_cifar10.py"), "--out", str(out),
+         "--per-batch", "60", "--test", "100"],
+        check=True, capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def mnist_format_dir(tmp_path_factory) -> Path:
+    """An MNIST data_dir (MNIST/raw/*-ubyte) built from the offline Fashion-MNIST files: same IDX format."""
+    from src.data.mnist_datamodule import MNISTDataModule
+
+    fashion = MNISTDataModule(dataset="fashion_mnist", data_dir=str(ROOT / "data"))
+    fashion.prepare_data()
+    out = tmp_path_factory.mktemp("mnist")
+    raw = out / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for path in fashion._raw_files():
+        shutil.copy(path, raw / path.name)
+    return out
