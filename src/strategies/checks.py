@@ -23,7 +23,7 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
     """One clear error for each combination that would otherwise fail late, hang, or crash a child rank."""
     accelerator = str(trainer_cfg.get("accelerator", "auto"))
     devices = trainer_cfg.get("devices", 1)
-    num_nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
+    num_nodes = int(trainer_cfg.get("num_nodes", 1))
     gpus = torch.cuda.device_count()
     if num_nodes < 1:
         raise ConfigError(f"trainer.num_nodes={num_nodes} must be >= 1")

@@ -28,14 +28,27 @@ def task_wrapper(task: Callable[[DictConfig], tuple[dict, dict]]) -> Callable[[D
     def wrapped(cfg: DictConfig) -> tuple[dict, dict]:
         try:
             return task(cfg)
-        except UserError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+        except Exception as err:
+            cause = user_error_cause(err)
+            if cause is None:
+                raise
+            print(f"error: {cause}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         finally:
             log.info(f"Output dir: {cfg.paths.output_dir}")
             _finish_wandb()
 
     return wrapped
+
+
+def user_error_cause(err: BaseException) -> UserError | None:
+    """The UserError behind ``err``, also when Hydra's ``instantiate`` wrapped it in its own exception."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, UserError):
+            return seen
+        seen = seen.__cause__
+    return None
 
 
 def _finish_wandb() -> None:

@@ -1,0 +1,173 @@
+"""Bad input: one clear line naming the fix, a non-zero exit, and nothing already saved is touched."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.data.mnist_datamodule import MNISTDataModule
+from src.utils.errors import CheckpointError, ConfigError, DataError
+from tests.helpers.config import ROOT
+from tests.helpers.entry import run_entry
+
+FASHION_RAW = ROOT / "data" / "FashionMNIST" / "raw"
+
+
+def error_line(proc) -> str:
+    """The entry points print exactly one line for a user error; return it."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.fast
+def test_unknown_option_is_rejected_by_hydra(tmp_path):
+    proc = run_entry("train", "trainer.no_such_option=1", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode != 0
+    assert "no_such_option" in proc.stderr
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("batch", ["0", "-4"])
+def test_non_positive_batch_size(tmp_path, batch):
+    proc = run_entry("train", f"data.batch_size={batch}", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2
+    assert "data.batch_size must be a positive integer" in error_line(proc)
+
+
+@pytest.mark.fast
+def test_batch_not_divisible_by_replicas_fails_before_launch(tmp_path):
+    proc = run_entry("train", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "data.batch_size=127",
+                     f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2
+    line = error_line(proc)
+    assert "must divide evenly across 2" in line and "multiple of 2" in line
+    assert "MEMBER" not in proc.stderr  # no rank was started
+
+
+@pytest.mark.fast
+def test_missing_data_names_the_fixes(tmp_path):
+    dm = MNISTDataModule(data_dir=str(tmp_path), system_dir=str(tmp_path / "nowhere"), download=False)
+    with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist") as err:
+        dm.prepare_data()
+    assert str(tmp_path) in str(err.value)
+
+
+@pytest.mark.fast
+def test_corrupt_data_file_is_named(tmp_path):
+    raw = tmp_path / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    MNISTDataModule(data_dir=str(ROOT / "data")).prepare_data()
+    for path in FASHION_RAW.iterdir():
+        shutil.copy(path, raw / path.name)
+    bad = raw / "train-images-idx3-ubyte"
+    bad.write_bytes(bad.read_bytes()[:1000])  # truncated
+    dm = MNISTDataModule(data_dir=str(tmp_path), download=False)
+    with pytest.raises(DataError, match="corrupt data file .*train-images-idx3-ubyte"):
+        dm.setup()
+
+
+@pytest.mark.fast
+def test_truncated_system_archive_is_named(tmp_path):
+    system = tmp_path / "system"
+    system.mkdir()
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        with gzip.open(system / f"{name}.gz", "wb") as f:
+            f.write(b"\x00" * 64)
+    (system / "train-images-idx3-ubyte.gz").write_bytes(b"\x1f\x8b\x08garbage")
+    dm = MNISTDataModule(data_dir=str(tmp_path / "data"), system_dir=str(system), download=False)
+    with pytest.raises(DataError, match="cannot extract .*train-images-idx3-ubyte.gz"):
+        dm.prepare_data()
+
+
+@pytest.mark.fast
+def test_missing_checkpoint_fails_before_training(tmp_path):
+    proc = run_entry("train", f"ckpt_path={tmp_path}/nope.ckpt", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2
+    assert "does not exist" in error_line(proc)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained
+
+
+@pytest.mark.fast
+def test_unreadable_checkpoint(tmp_path, make_cfg):
+    from src.utils.checkpoint import check_checkpoint
+
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"not a checkpoint")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        check_checkpoint(junk, model)
+
+
+def test_checkpoint_from_another_model(make_cfg, tmp_path):
+    from src.train import train
+
+    _, objects = train(make_cfg("train", ["test=false", "++trainer.limit_train_batches=1"], subdir="mlp"))
+    ckpt = objects["trainer"].checkpoint_callback.best_model_path
+    before = Path(ckpt).read_bytes()
+    proc = run_entry("eval", f"ckpt_path={ckpt}", "model=resnet18", f"hydra.run.dir={tmp_path}/eval")
+    assert proc.returncode == 2
+    line = error_line(proc)
+    assert "does not fit this model" in line and "missing" in line
+    assert Path(ckpt).read_bytes() == before  # the checkpoint is untouched
+
+
+@pytest.mark.fast
+def test_non_writable_output_dir(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("keep me")
+    proc = run_entry("train", f"hydra.run.dir={blocker}/run")
+    assert proc.returncode != 0
+    assert "a_file" in proc.stderr
+    assert blocker.read_text() == "keep me"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer=ddp", "trainer.accelerator=gpu"], "no CUDA GPU is visible"),
+        (["trainer=ddp", "trainer.strategy.process_group_backend=nccl", "trainer.accelerator=cpu"], "nccl needs CUDA"),
+        (["trainer=ddp", "trainer.strategy.process_group_backend=mpi", "trainer.accelerator=cpu"], "no MPI support"),
+        (["trainer=ddp", "trainer.strategy.process_group_backend=ucc", "trainer.accelerator=cpu"], "not one of"),
+        (["trainer.num_nodes=0"], "num_nodes=0"),
+        (["model=toy"], "use data=toy"),
+        (["data=toy"], "use model=toy"),
+    ],
+)
+def test_impossible_combinations(make_cfg, overrides, message):
+    from src.train import train
+
+    if "mpi" in " ".join(overrides) and torch.distributed.is_mpi_available():
+        pytest.skip("this torch has MPI")
+    with pytest.raises(SystemExit) as exc:
+        train(make_cfg("train", overrides))
+    assert exc.value.code == 2
+
+
+@pytest.mark.fast
+def test_impossible_combination_messages(make_cfg, capsys):
+    from src.train import train
+
+    with pytest.raises(SystemExit):
+        train(make_cfg("train", ["trainer=ddp", "trainer.strategy.process_group_backend=nccl", "trainer.accelerator=cpu"]))
+    assert "process_group_backend=nccl needs CUDA GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.fast
+def test_busy_master_port_is_reported(make_cfg, monkeypatch):
+    import socket
+
+    from src.strategies.checks import check_trainer_config
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        with pytest.raises(ConfigError, match="already in use"):
+            check_trainer_config(make_cfg("train", ["trainer=ddp"]).trainer)
