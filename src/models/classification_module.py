@@ -6,9 +6,10 @@ from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics import MaxMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from src.models.metrics import SampleMean
 from src.models.step_module import STAGES, StepModule, StepOutput
 
 
@@ -17,8 +18,8 @@ class ClassificationModule(StepModule):
 
     Loss and accuracy are torchmetrics objects: each rank accumulates sums and counts, and
     they are all-reduced once at epoch end, so the logged value is the exact mean over all
-    samples seen by all ranks (not a mean of per-rank means). Input validation and NaN
-    checks are turned off because each costs a host sync on every step.
+    samples seen by all ranks (not a mean of per-rank means). Accuracy's input validation
+    is off because it costs a host sync on every step.
     """
 
     def __init__(
@@ -31,7 +32,7 @@ class ClassificationModule(StepModule):
     ) -> None:
         super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile)
         for stage in STAGES:  # train_loss, val_loss, test_loss, train_acc, ...
-            setattr(self, f"{stage}_loss", MeanMetric(nan_strategy="disable"))
+            setattr(self, f"{stage}_loss", SampleMean())
             setattr(self, f"{stage}_acc", MulticlassAccuracy(num_classes, average="micro", validate_args=False))
         self.val_acc_best = MaxMetric()
 
@@ -41,7 +42,7 @@ class ClassificationModule(StepModule):
     def record_step(self, stage: str, out: StepOutput) -> Tensor:
         loss, target = out["loss"], out["target"]
         loss_metric, acc_metric = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_acc")
-        loss_metric.update(loss.detach(), weight=target.numel())
+        loss_metric.update(loss, target.shape[0])
         acc_metric.update(out["output"].detach().argmax(dim=1), target)
         self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}/acc", acc_metric, on_step=False, on_epoch=True, prog_bar=True)

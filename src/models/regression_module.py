@@ -6,8 +6,9 @@ from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics import MeanMetric, MinMetric
+from torchmetrics import MinMetric
 
+from src.models.metrics import SampleMean
 from src.models.step_module import STAGES, StepModule, StepOutput
 
 
@@ -17,7 +18,7 @@ class RegressionModule(StepModule):
     def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, compile: bool = False) -> None:
         super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile)
         for stage in STAGES:  # train_loss, val_loss, test_loss
-            setattr(self, f"{stage}_loss", MeanMetric(nan_strategy="disable"))
+            setattr(self, f"{stage}_loss", SampleMean())
         self.val_loss_best = MinMetric()
 
     def criterion(self, output: Tensor, target: Tensor) -> Tensor:
@@ -26,7 +27,7 @@ class RegressionModule(StepModule):
     def record_step(self, stage: str, out: StepOutput) -> Tensor:
         loss = out["loss"]
         loss_metric = getattr(self, f"{stage}_loss")
-        loss_metric.update(loss.detach(), weight=out["target"].shape[0])
+        loss_metric.update(loss, out["target"].shape[0])
         self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 

@@ -7,6 +7,7 @@ process (spawned, so no state leaks from pytest), and results come back by rank.
 from __future__ import annotations
 
 import os
+import pickle
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        # Plain pickle bytes: torch's queue pickler would share tensors through file descriptors
+        # that vanish when this process exits before the parent reads them.
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report any failure to the parent instead of hanging it
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -49,7 +52,7 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 180)
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)

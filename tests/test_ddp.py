@@ -1,0 +1,211 @@
+"""DDP proven with real processes over gloo: identical replicas, disjoint shards, exact synced metrics,
+ddp_spawn, a simulated two-node run, rank-safe side effects and a multirun sweep."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from src.distributed.ports import find_free_port
+from tests.helpers.config import ROOT, compose_cfg
+from tests.helpers.entry import run_entry
+from tests.helpers.multiprocess import run_workers
+
+# Full val/test sets (exactness is about every sample), 8 training steps, no dropout so runs are comparable.
+EXACT = ["model.net.dropout=0", "data.batch_size=64", "data.val_size=4999", "++trainer.limit_train_batches=8",
+         "++trainer.limit_val_batches=1.0", "++trainer.limit_test_batches=1.0"]
+
+
+def ddp_fit(rank: int, world_size: int, out_dir: str, data_dir: str) -> dict:
+    """One rank of ``train(cfg)`` with ``trainer=ddp``; returns what the test compares across ranks."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from src.data.components.in_memory import InMemoryDataset
+    from src.data.mnist_datamodule import MNISTDataModule
+    from src.train import train
+
+    extracted = Path(out_dir) / "extracted_by.txt"
+    original = MNISTDataModule._extract_from
+
+    def counting_extract(self, source):  # record which rank prepared the data
+        with open(extracted, "a") as f:
+            f.write(f"{rank}\n")
+        return original(self, source)
+
+    MNISTDataModule._extract_from = counting_extract
+    fetched: list[int] = []
+    original_getitems = InMemoryDataset.__getitems__
+
+    def recording_getitems(self, indices):  # the indices this rank's training loader actually fetched
+        if self.inputs.shape[0] > 20000:
+            fetched.extend(int(i) for i in indices)
+        return original_getitems(self, indices)
+
+    InMemoryDataset.__getitems__ = recording_getitems
+    cfg = compose_cfg("train", ["trainer=ddp", f"trainer.devices={world_size}", "trainer.accelerator=cpu", *EXACT],
+                      Path(out_dir))
+    cfg.paths.data_dir = data_dir
+    cfg.data.data_dir = data_dir
+    metrics, objects = train(cfg)
+    trainer, dm, model = objects["trainer"], objects["datamodule"], objects["model"]
+    # The loader Lightning built for fit (with its injected DistributedSampler), rebuilt the same way.
+    loader = trainer._data_connector._prepare_dataloader(dm.train_dataloader(), shuffle=True,
+                                                          mode=RunningStage.TRAINING)
+    loader.sampler.set_epoch(0)
+    return {
+        "fetched": fetched,
+        "params": {k: v.detach().clone() for k, v in model.net.state_dict().items()},
+        "metrics": {k: float(v) for k, v in metrics.items()},
+        "train_indices": list(iter(loader.sampler)),
+        "val_indices": list(iter(dm.val_dataloader().sampler)),
+        "test_indices": list(iter(dm.test_dataloader().sampler)),
+        "global_rank": trainer.global_rank,
+        "ckpt": trainer.checkpoint_callback.best_model_path,
+    }
+
+
+def full_set_metrics(params: dict, dataset, dm, indices=None) -> tuple[float, float]:
+    """Single-process loss and accuracy of ``params`` over ``dataset`` (or a subset), sample-weighted."""
+    from src.models.components.mlp import MLP
+
+    net = MLP(dropout=0)
+    net.load_state_dict(params)
+    net.eval()
+    idx = torch.arange(len(dataset)) if indices is None else torch.as_tensor(indices)
+    with torch.no_grad():
+        x = dm.transform_batch(dataset.inputs[idx], training=False)
+        logits = net(x)
+        target = dataset.targets[idx]
+        loss = F.cross_entropy(logits.double(), target, reduction="sum").item() / len(idx)
+        acc = (logits.argmax(1) == target).double().mean().item()
+    return loss, acc
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """A 2-rank DDP fit (fresh data dir, so data preparation is observed) and the same run on 1 rank."""
+    fresh = tmp_path_factory.mktemp("fresh_data")
+    two = run_workers(ddp_fit, 2, str(tmp_path_factory.mktemp("ddp2")), str(fresh))
+    one = run_workers(ddp_fit, 1, str(tmp_path_factory.mktemp("ddp1")), str(ROOT / "data"))
+    return two, one[0], fresh
+
+
+@pytest.mark.slow
+def test_replicas_identical_and_equal_to_single_process(ddp_runs):
+    (r0, r1), single, _ = ddp_runs
+    for name, value in r0["params"].items():
+        assert torch.equal(value, r1["params"][name]), f"{name} differs between ranks"
+        torch.testing.assert_close(value, single["params"][name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_train_shards_disjoint_and_cover_dataset(ddp_runs):
+    (r0, r1), _, _ = ddp_runs
+    n = 55001  # 60000 - val_size 4999: odd, so DistributedSampler pads one sample
+    a, b = set(r0["train_indices"]), set(r1["train_indices"])
+    assert len(r0["train_indices"]) == len(r1["train_indices"]) == (n + 1) // 2
+    assert a | b == set(range(n))
+    assert len(a & b) == 1  # the single padding sample, repeated so both ranks take the same number of steps
+    for r in (r0, r1):  # what each rank actually trained on is the head of its shard
+        assert r["fetched"] == r["train_indices"][: len(r["fetched"])] and len(r["fetched"]) == 8 * 32
+
+
+@pytest.mark.slow
+def test_eval_shards_unpadded(ddp_runs):
+    (r0, r1), _, _ = ddp_runs
+    for key, n in (("val_indices", 4999), ("test_indices", 10000)):
+        a, b = r0[key], r1[key]
+        assert not set(a) & set(b) and sorted(a + b) == list(range(n))
+    assert len(r0["val_indices"]) != len(r1["val_indices"])  # uneven shards, no duplicated samples
+
+
+@pytest.mark.slow
+def test_synced_val_and_test_metrics_are_exact(ddp_runs):
+    from src.data.mnist_datamodule import MNISTDataModule
+
+    (r0, r1), _, _ = ddp_runs
+    dm = MNISTDataModule(data_dir=str(ROOT / "data"), val_size=4999, batch_size=64)
+    dm.prepare_data()
+    dm.setup()
+    for split, dataset in (("val", dm.data_val), ("test", dm.data_test)):
+        loss, acc = full_set_metrics(r0["params"], dataset, dm)
+        local = [full_set_metrics(r["params"], dataset, dm, r[f"{split}_indices"]) for r in (r0, r1)]
+        assert local[0] != local[1]  # each rank alone sees different values...
+        for r in (r0, r1):  # ...yet every rank logged the whole-set value
+            assert r["metrics"][f"{split}/loss"] == pytest.approx(loss, abs=1e-6)
+            assert r["metrics"][f"{split}/acc"] == pytest.approx(acc, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_side_effects_happen_on_rank_zero_only(ddp_runs):
+    (r0, r1), _, fresh = ddp_runs
+    out = Path(r0["ckpt"]).parents[1]
+    assert (out / "extracted_by.txt").read_text().split() == ["0"]  # prepared once, by rank 0
+    assert (fresh / "FashionMNIST" / "raw" / "train-images-idx3-ubyte").is_file()
+    assert r0["ckpt"] == r1["ckpt"] and Path(r0["ckpt"]).is_file()  # one checkpoint, written by rank 0
+    assert (out / "metrics.png").is_file()
+
+
+@pytest.mark.slow
+def test_ddp_spawn_returns_metrics_to_parent(make_cfg):
+    from src.train import train
+
+    cfg = make_cfg("train", ["trainer=ddp_spawn", "trainer.devices=2", "trainer.accelerator=cpu",
+                             "++trainer.limit_train_batches=4"])
+    metrics, objects = train(cfg)
+    assert 0.0 < float(metrics["test/acc"]) <= 1.0 and "val/acc" in metrics
+    assert Path(objects["trainer"].checkpoint_callback.best_model_path).is_file()
+
+
+@pytest.mark.slow
+def test_simulated_two_nodes_over_loopback(tmp_path):
+    """Two launches, NODE_RANK 0 and 1, one CPU process each, rendezvous on 127.0.0.1."""
+    import subprocess
+    import sys
+
+    port = find_free_port()
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node)}
+        args = [sys.executable, str(ROOT / "src/train.py"), "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2",
+                "trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_train_batches=6",
+                "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2", "extras.print_config=false",
+                f"hydra.run.dir={tmp_path}/node{node}",
+                "+callbacks.rank_params._target_=tests.helpers.rank_dump.SaveRankParams",
+                f"+callbacks.rank_params.dirpath={tmp_path}/params"]
+        procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[1][-3000:]
+    p0 = torch.load(tmp_path / "params" / "params_rank0.pt")
+    p1 = torch.load(tmp_path / "params" / "params_rank1.pt")
+    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+    assert (tmp_path / "node0" / "checkpoints").is_dir()
+    assert not (tmp_path / "node1" / "checkpoints").exists()  # only global rank 0 saves
+    assert not (tmp_path / "node1" / "metrics.png").exists()
+
+
+@pytest.mark.slow
+def test_multirun_sweep_with_ddp(tmp_path):
+    """`-m trainer=ddp trainer.devices=2 lr=a,b`: both jobs run, each job's ranks stay in its own dir."""
+    proc = run_entry(
+        "train", "-m", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "model.optimizer.lr=0.01,0.1",
+        "trainer.max_epochs=1", "++trainer.limit_train_batches=4", "++trainer.limit_val_batches=2",
+        "++trainer.limit_test_batches=2", "extras.print_config=false", f"hydra.sweep.dir={tmp_path}/sweep",
+        f"paths.log_dir={tmp_path}/logs", timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    for job in jobs:
+        assert (tmp_path / "sweep" / job / "checkpoints" / "last.ckpt").is_file()
+        overrides = (tmp_path / "sweep" / job / ".hydra" / "overrides.yaml").read_text()
+        assert f"model.optimizer.lr={['0.01', '0.1'][int(job)]}" in overrides
+    assert not (tmp_path / "logs").exists()  # no rank replayed the sweep into its own run dirs
+    assert proc.stdout.count("Initializing distributed: GLOBAL_RANK: 1") + proc.stderr.count(
+        "Initializing distributed: GLOBAL_RANK: 1") == 2  # exactly one rank-1 child per job
+
