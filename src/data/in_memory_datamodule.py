@@ -12,6 +12,9 @@ from torch.utils.data import DataLoader
 
 from src.data.components.in_memory import InMemoryDataset, keep_batch
 from src.utils.errors import ConfigError
+from src.utils.pylogger import RankedLogger
+
+log = RankedLogger(__name__)
 
 
 class InMemoryDataModule(LightningDataModule):
@@ -68,6 +71,9 @@ class InMemoryDataModule(LightningDataModule):
     # -- Lightning hooks ---------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
         self.batch_size_per_replica = self._per_replica_batch_size()
+        replicas, rank = self._replicas()
+        log.info(f"data replica {rank}/{replicas}: batch {self.batch_size_per_replica} per replica "
+                 f"(global {self.hparams.batch_size})", rank=None)
         if self.data_train is not None:
             return
         inputs, targets = self.load_split(train=True)
