@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install everything the project needs on a fresh machine: Python packages, and Debian's offline
+# Fashion-MNIST (the default training data) where apt is available. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+    echo "installing Debian package dataset-fashion-mnist (offline Fashion-MNIST)"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist
+  else
+    echo "apt-get not found: Fashion-MNIST will be downloaded by torchvision on first use (needs internet)"
+  fi
+fi
+
+PYTHON="${PYTHON:-python}"
+# torch is resolved by pip like any other dependency (>=2.4); pin it first if you need a specific build.
+"$PYTHON" -m pip install --quiet -e ".[dev,loggers]"
+"$PYTHON" -c "import torch, lightning, hydra; print(f'torch {torch.__version__}, lightning {lightning.__version__}, hydra {hydra.__version__}')"
