@@ -4,6 +4,8 @@ ddp_spawn, a simulated two-node run, rank-safe side effects and a multirun sweep
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,32 +163,59 @@ def test_ddp_spawn_returns_metrics_to_parent(make_cfg):
     assert Path(objects["trainer"].checkpoint_callback.best_model_path).is_file()
 
 
+TINY_RUN = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_train_batches=6",
+            "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2", "extras.print_config=false"]
+
+
+def launch_ranks(envs: list[dict], per_rank_args, params_dir: Path) -> list[dict]:
+    """Start one ``python src/train.py`` per env (as separate nodes or srun tasks would), wait, load each rank's params."""
+    procs = []
+    for i, env in enumerate(envs):
+        args = [sys.executable, str(ROOT / "src/train.py"), *per_rank_args(i),
+                "+callbacks.rank_params._target_=tests.helpers.rank_dump.SaveRankParams",
+                f"+callbacks.rank_params.dirpath={params_dir}"]
+        procs.append(subprocess.Popen(args, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(o[-2000:] for o in outputs)
+    return [torch.load(params_dir / f"params_rank{r}.pt") for r in range(len(envs))]
+
+
+def assert_same_params(states: list[dict]) -> None:
+    first = states[0]
+    for other in states[1:]:
+        assert first.keys() == other.keys() and all(torch.equal(first[k], other[k]) for k in first)
+
+
 @pytest.mark.slow
 def test_simulated_two_nodes_over_loopback(tmp_path):
     """Two launches, NODE_RANK 0 and 1, one CPU process each, rendezvous on 127.0.0.1."""
-    import subprocess
-    import sys
-
-    port = find_free_port()
-    procs = []
-    for node in (0, 1):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node)}
-        args = [sys.executable, str(ROOT / "src/train.py"), "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2",
-                "trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_train_batches=6",
-                "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2", "extras.print_config=false",
-                f"hydra.run.dir={tmp_path}/node{node}",
-                "+callbacks.rank_params._target_=tests.helpers.rank_dump.SaveRankParams",
-                f"+callbacks.rank_params.dirpath={tmp_path}/params"]
-        procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[1][-3000:]
-    p0 = torch.load(tmp_path / "params" / "params_rank0.pt")
-    p1 = torch.load(tmp_path / "params" / "params_rank1.pt")
-    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+    port = str(find_free_port())
+    envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)} for node in (0, 1)]
+    states = launch_ranks(
+        envs, lambda node: ["trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2", *TINY_RUN,
+                            f"hydra.run.dir={tmp_path}/node{node}"], tmp_path / "params")
+    assert_same_params(states)
     assert (tmp_path / "node0" / "checkpoints").is_dir()
     assert not (tmp_path / "node1" / "checkpoints").exists()  # only global rank 0 saves
     assert not (tmp_path / "node1" / "metrics.png").exists()
+
+
+@pytest.mark.slow
+def test_slurm_environment_detected(tmp_path):
+    """Two tasks with the variables `srun` sets: Lightning's SLURMEnvironment joins them; one shared run dir."""
+    job_id = str(900000 + os.getpid() % 1000)
+    common = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": job_id,
+              "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(find_free_port())}
+    envs = [{**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in (0, 1)]
+    states = launch_ranks(envs, lambda r: ["trainer=ddp", "trainer.devices=2", *TINY_RUN,
+                                           f"paths.log_dir={tmp_path}/logs"], tmp_path / "params")
+    assert_same_params(states)
+    runs = list((tmp_path / "logs" / "train" / "runs").iterdir())
+    assert len(runs) == 1 and f"slurm_{job_id}" in runs[0].name  # both tasks agreed on one directory
+    assert (runs[0] / "checkpoints" / "last.ckpt").is_file()
+    log = (runs[0] / "train.log").read_text()
+    assert "[rank 0]" in log and "[rank 1]" in log  # one log, each line tagged with its rank
 
 
 @pytest.mark.slow
