@@ -1,0 +1,143 @@
+"""One full-model checkpoint from a split model: gather every stage's state, and take a stage's share back.
+
+*Saving.* Each rank's ``state_dict`` already carries the original keys (``net.<block>...``)
+because the strategy only deletes the other ranks' blocks from ``net``. Pipeline rank 0 of
+each replica gathers the other stages' entries with ``gather_object`` (CPU tensors, pickled:
+fine for models of this template's size; a multi-GB model would want
+``torch.distributed.checkpoint`` instead) and merges them into the state dict of the unsplit
+model, which loads on a single device.
+
+*Optimizer state* is saved the same way: every stage's optimizer state is re-keyed by
+parameter *name*, merged, and renumbered in the unsplit model's parameter order. The result
+is a standard ``torch.optim`` state dict (each group also lists its ``param_names``), so a
+pipeline checkpoint resumes on one device too; on a pipeline resume every rank picks its own
+parameters' entries by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import nn
+from torch.optim import Optimizer
+
+from src.strategies.pipeline.mesh import PipelineMesh
+from src.utils.errors import CheckpointError
+
+_GROUP_KEYS = ("params", "param_names")
+
+
+def gather_to_first_stage(obj: Any, mesh: PipelineMesh) -> list[Any] | None:
+    """``obj`` from every rank of this pipeline, ordered by pipeline rank, on pipeline rank 0 (else ``None``)."""
+    obj = move_data_to_device(obj, "cpu")
+    if mesh.layout.pp == 1:
+        return [obj]
+    out: list[Any] | None = [None] * mesh.layout.pp if mesh.is_first else None
+    dst = mesh.layout.global_rank(mesh.dp_rank, 0)
+    dist.gather_object(obj, out, dst=dst, group=mesh.pp_group)
+    return out
+
+
+def block_order_key(block_order: Sequence[str]) -> Callable[[str], int]:
+    """Sort key putting ``net.<block>...`` names in the unsplit net's block order (other keys first)."""
+    position = {name: i for i, name in enumerate(block_order)}
+
+    def key(name: str) -> int:
+        parts = name.split(".")
+        return position.get(parts[1], -1) + 1 if len(parts) > 1 and parts[0] == "net" else 0
+
+    return key
+
+
+def merge_state_dicts(parts: Iterable[dict[str, Any]], block_order: Sequence[str]) -> dict[str, Any]:
+    """Union of the stages' state dicts, keys in the unsplit model's order (stable within a block)."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for name, value in part.items():
+            merged.setdefault(name, value)
+    key = block_order_key(block_order)
+    return {name: merged[name] for name in sorted(merged, key=key)}
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> qualified name`` for every parameter of ``module``."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def group_names(optimizer: Optimizer, names: dict[int, str]) -> list[list[str]]:
+    """The parameter names of each of ``optimizer``'s param groups, in the optimizer's order."""
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def named_optimizer_state(optimizer: Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter indices replaced by parameter names."""
+    state = optimizer.state_dict()
+    order = [n for group in group_names(optimizer, names) for n in group]  # index i <-> order[i]
+    groups = [
+        {**{k: v for k, v in g.items() if k not in _GROUP_KEYS}, "params": [order[i] for i in g["params"]]}
+        for g in state["param_groups"]
+    ]
+    return {"state": {order[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+
+
+def merge_optimizer_states(parts: Sequence[dict[str, Any]], block_order: Sequence[str]) -> dict[str, Any]:
+    """Merge name-keyed stage states into one standard state dict of the unsplit model's optimizer."""
+    n_groups = {len(p["param_groups"]) for p in parts}
+    if len(n_groups) != 1:
+        raise CheckpointError(f"the stages' optimizers have different numbers of param groups ({sorted(n_groups)})")
+    key = block_order_key(block_order)
+    groups, index = [], {}
+    for g in range(n_groups.pop()):
+        # stable sort: parameters of one block keep their order within the stage that holds it
+        names = sorted((n for p in parts for n in p["param_groups"][g]["params"]), key=key)
+        hyper = {k: v for k, v in parts[0]["param_groups"][g].items() if k not in _GROUP_KEYS}
+        start = len(index)
+        index.update({n: start + i for i, n in enumerate(names)})
+        groups.append({**hyper, "params": [index[n] for n in names], "param_names": names})
+    state = {index[n]: s for p in parts for n, s in p["state"].items()}
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def local_optimizer_state(
+    full: dict[str, Any], local_groups: Sequence[Sequence[str]], fallback_names: Sequence[str]
+) -> dict[str, Any]:
+    """This rank's share of a full-model optimizer state dict, as its own optimizer's state dict.
+
+    Parameters are matched by the ``param_names`` saved in each group. A state dict without
+    names (saved by a single-device or DDP run) is read in the unsplit model's parameter order
+    (``fallback_names``), which only identifies parameters when there is a single group.
+    """
+    groups = full.get("param_groups", [])
+    if len(groups) != len(local_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(groups)} param groups, this run's has {len(local_groups)}: "
+            f"resume with the optimizer config the checkpoint was trained with"
+        )
+    where: dict[str, int] = {}
+    for g in groups:
+        names = g.get("param_names")
+        if names is None:
+            if len(groups) != 1:
+                raise CheckpointError("the checkpoint's optimizer state has several groups and no parameter names: "
+                                      "it cannot be split across pipeline stages")
+            names = list(fallback_names)
+        if len(names) != len(g["params"]):
+            raise CheckpointError("the checkpoint's optimizer state does not fit this model: it lists "
+                                  f"{len(g['params'])} parameters where this model has {len(names)}")
+        where.update(zip(names, g["params"], strict=True))
+    state, out_groups, i = {}, [], 0
+    for g, names in zip(groups, local_groups, strict=True):
+        missing = [n for n in names if n not in where]
+        if missing:
+            raise CheckpointError(f"the checkpoint has no optimizer state for {missing[:3]}: it was saved from "
+                                  f"another model")
+        ids = list(range(i, i + len(names)))
+        for local, name in zip(ids, names, strict=True):
+            if where[name] in full["state"]:
+                state[local] = full["state"][where[name]]
+        out_groups.append({**{k: v for k, v in g.items() if k not in _GROUP_KEYS}, "params": ids})
+        i += len(names)
+    return {"state": state, "param_groups": out_groups}

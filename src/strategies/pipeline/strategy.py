@@ -1,0 +1,351 @@
+"""``pipeline``: model-parallel pipeline training for Lightning 2.x on ``torch.distributed.pipelining``.
+
+Lightning ships no pipeline strategy (its ``ModelParallelStrategy`` covers FSDP2 and tensor
+parallelism). This one reuses :class:`~lightning.pytorch.strategies.DDPStrategy` for what
+does not change (launcher, process group, cluster environments) and replaces the rest:
+
+* **split** (``setup``): ``model.net``'s named blocks are cut into ``stages x stages_per_rank``
+  contiguous stages balanced by parameters or forward time; every rank deletes the blocks it
+  does not hold, so ``configure_optimizers`` sees only local parameters (each stage steps its
+  own optimizer). Replicas of a stage are synchronised from data-parallel rank 0.
+* **step**: ``training_step`` runs the schedule (GPipe, 1F1B or Interleaved1F1B), which does
+  forward *and* backward per micro-batch with ``loss_fn = criterion``; the last stage's output
+  and mean loss are broadcast over the pipeline so ``record_step`` logs identical values on
+  every rank. Evaluation runs the same pipeline forward-only.
+* **gradients**: Lightning zeroes gradients between ``training_step`` and ``backward``, so the
+  schedule's gradients are parked and re-added in ``backward`` (:mod:`.grads`), after
+  averaging them over the stage's data-parallel replicas.
+* **metrics**: every rank of a pipeline holds the same outputs, so torchmetrics states and
+  ``sync_dist`` logging are reduced over the data-parallel group only: a world-wide sync would
+  count each sample once per stage.
+* **checkpoints**: one full-model file (:mod:`.checkpoint`), loadable on a single device.
+
+Layout: ``world = stages x dp_size``; global rank ``r`` is pipeline rank ``r % stages`` of
+replica ``r // stages`` (:mod:`.mesh`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from rich.console import Console
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from src.strategies.pipeline import checkpoint as ckpt
+from src.strategies.pipeline.grads import add_grads, reduce_grads, take_grads
+from src.strategies.pipeline.mesh import Layout, PipelineMesh, build_mesh, resolve_layout
+from src.strategies.pipeline.partition import (
+    BALANCE_MODES,
+    StageSpec,
+    named_blocks,
+    plan_stages,
+    split_table,
+    time_costs,
+)
+from src.strategies.pipeline.runner import PipelineRunner
+from src.strategies.pipeline.schedule import canonical_schedule, check_schedule, stage_indices
+from src.utils.errors import CheckpointError, ConfigError
+
+
+class PipelineStrategy(DDPStrategy):
+    """Pipeline parallelism (optionally times data parallelism) over ``trainer.devices x num_nodes`` processes.
+
+    Args:
+        stages: pipeline ranks per replica; ``None`` = processes / ``dp_size``.
+        n_microbatches: micro-batches per (per-replica) batch; must divide training batches.
+        schedule: ``GPipe``, ``1F1B`` or ``Interleaved1F1B``.
+        stages_per_rank: virtual stages per pipeline rank (``Interleaved1F1B`` needs >= 2).
+        dp_size: data-parallel replicas of the whole pipeline.
+        balance: ``params`` (parameter counts) or ``time`` (measured forward time per block).
+        process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
+        timeout: how long a collective waits for a peer (``timedelta`` or seconds).
+        start_method: ``popen`` (re-run the script per rank) or ``spawn``.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        stages: int | None = None,
+        n_microbatches: int = 4,
+        schedule: str = "1F1B",
+        stages_per_rank: int = 1,
+        dp_size: int = 1,
+        balance: str = "params",
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = timedelta(minutes=30),
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        schedule = canonical_schedule(schedule)
+        check_schedule(schedule, n_microbatches, stages_per_rank)
+        if balance not in BALANCE_MODES:
+            raise ConfigError(f"trainer.strategy.balance={balance!r} must be one of {', '.join(BALANCE_MODES)}")
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise ConfigError(f"trainer.strategy.dp_size={dp_size!r} must be an integer >= 1")
+        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+            raise ConfigError(f"trainer.strategy.stages={stages!r} must be an integer >= 1, or null")
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout,
+                         start_method=start_method, **kwargs)
+        self.stages = stages
+        self.n_microbatches = n_microbatches
+        self.schedule = schedule
+        self.stages_per_rank = stages_per_rank
+        self.dp_size = dp_size
+        self.balance = balance
+        self._layout: Layout | None = None
+        self._mesh: PipelineMesh | None = None
+        self._plan: list[StageSpec] | None = None
+        self._split_net: nn.Module | None = None  # the net this rank has split (identity, to split once)
+        self._runner: PipelineRunner | None = None
+        self._block_order: list[str] = []
+        self._full_param_names: list[str] = []  # the unsplit model's trainable parameters, in order
+        self._pending_grads: list[Tensor | None] | None = None
+
+    # -- layout and checks before any process starts --------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            self._layout = resolve_layout(self.num_nodes * self.num_processes, self.stages, self.dp_size)
+        return self._layout
+
+    @property
+    def num_stages(self) -> int:
+        """Total (virtual) stages: pipeline ranks x stages per rank."""
+        return self.layout.pp * self.stages_per_rank
+
+    def _configure_launcher(self) -> None:
+        # Called while the Trainer is built, once devices and nodes are known: check the layout now.
+        self._layout = None
+        check_schedule(self.schedule, self.n_microbatches, self.stages_per_rank, self.layout.pp)
+        super()._configure_launcher()
+        launch = self._launcher.launch
+
+        # The model is only attached at fit/validate/test time, right before launching: check it
+        # then, in the launching process, so a bad model fails once instead of in every rank.
+        # (Wrapping the method keeps the launcher's class, which Lightning checks with isinstance.)
+        def launch_checked(function: Any, *args: Any, trainer: pl.Trainer, **kwargs: Any) -> Any:
+            self._preflight(trainer)
+            return launch(function, *args, trainer=trainer, **kwargs)
+
+        self._launcher.launch = launch_checked
+
+    def _preflight(self, trainer: pl.Trainer) -> None:
+        module = trainer.lightning_module
+        for hook in ("criterion", "record_step"):
+            if not callable(getattr(module, hook, None)):
+                raise ConfigError(f"trainer=pipeline needs a StepModule (with `{hook}`), got {type(module).__name__}")
+        if not module.automatic_optimization:
+            raise ConfigError("trainer=pipeline runs backward inside the schedule: manual optimization is not supported")
+        if getattr(module.hparams, "compile", False):
+            raise ConfigError("trainer=pipeline cannot split a compiled net: set model.compile=false")
+        n_blocks = len(self._block_order) if module.net is self._split_net else len(named_blocks(module.net))
+        if n_blocks < self.num_stages:
+            raise ConfigError(
+                f"model.net has {n_blocks} blocks, fewer than the {self.num_stages} pipeline stages "
+                f"({self.layout.pp} ranks x stages_per_rank={self.stages_per_rank}): use fewer stages or more blocks"
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ConfigError("trainer.precision=16-mixed needs loss scaling, which pipeline schedules do not do: "
+                              "use bf16-mixed or 32-true")
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+            raise ConfigError("gradient norm clipping would see only one stage's gradients under trainer=pipeline: "
+                              "set trainer.gradient_clip_algorithm=value, or unset gradient_clip_val")
+        if self._layer_sync is not None:
+            raise ConfigError("trainer.sync_batchnorm=true is not supported with trainer=pipeline: set it to false")
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Only data-parallel replicas get different data: all stages of one pipeline read the same batches.
+        dp_rank, _ = self.layout.coords(self.global_rank)
+        return {"num_replicas": self.layout.dp, "rank": dp_rank}
+
+    # -- process groups and model split ----------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._mesh is None:
+            self._mesh = build_mesh(self.root_device.type, self.layout)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self._split(module, trainer)
+        for metric in module.modules():
+            if isinstance(metric, Metric):  # see module docstring: sync over replicas, not stages
+                metric.process_group = self._mesh.dp_group
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _split(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
+        """Keep this rank's blocks in ``module.net`` and build the pipeline over them (once per net)."""
+        net = module.net
+        if net is self._split_net:
+            return
+        blocks = named_blocks(net)
+        names = [name for name, _ in blocks]
+        if self._plan is None or names != self._block_order:
+            self._plan = self._make_plan(net, trainer)
+        self._block_order = names
+        self._full_param_names = [n for n, p in module.named_parameters() if p.requires_grad]
+        mesh = self._mesh
+        local = stage_indices(mesh.pp_rank, mesh.layout.pp, self.stages_per_rank)
+        keep = {b for s in local for b in self._plan[s].blocks}
+        for name in names:
+            if name not in keep:
+                delattr(net, name)
+        modules = [
+            (s, nn.Sequential(OrderedDict((b, getattr(net, b)) for b in self._plan[s].blocks))) for s in local
+        ]
+        self._sync_replicas(net)
+        self._split_net = net
+        self._runner = PipelineRunner(modules, self.num_stages, mesh, self.root_device, self.schedule,
+                                      self.n_microbatches, module.criterion)
+        self._print_plan()
+
+    def _make_plan(self, net: nn.Module, trainer: pl.Trainer) -> list[StageSpec]:
+        if self.balance == "params":
+            return plan_stages(net, self.num_stages)
+        plan = None
+        if self.global_rank == 0:  # timings differ per process: measure once, share the split
+            costs = time_costs(named_blocks(net), self._example_input(trainer))
+            plan = plan_stages(net, self.num_stages, costs)
+        return self.broadcast(plan, src=0)
+
+    def _example_input(self, trainer: pl.Trainer) -> Tensor:
+        module = self.lightning_module
+        example = getattr(module, "example_input_array", None)
+        if isinstance(example, Tensor):
+            return example.to(self.root_device)
+        if trainer.datamodule is None:
+            raise ConfigError("balance=time needs an example input: set the module's example_input_array or train "
+                              "with a DataModule")
+        batch = next(iter(trainer.datamodule.train_dataloader()))
+        return module._apply_batch_transfer_handler(batch, device=self.root_device)[0]
+
+    def _sync_replicas(self, net: nn.Module) -> None:
+        """Copy this stage's parameters and buffers from data-parallel rank 0 (as DDP does at wrap time)."""
+        if self.layout.dp == 1:
+            return
+        src = self.layout.global_rank(0, self._mesh.pp_rank)
+        with torch.no_grad():
+            for tensor in [*net.parameters(), *net.buffers()]:
+                dist.broadcast(tensor.data, src=src, group=self._mesh.dp_group)
+
+    @rank_zero_only
+    def _print_plan(self) -> None:
+        layout = self.layout
+        holders = [layout.replicas_of(s % layout.pp) for s in range(self.num_stages)]
+        Console().print(split_table(self._plan, holders, self.balance))
+
+    # -- steps -------------------------------------------------------------------------------------
+    def _local_params(self) -> list[nn.Parameter]:
+        return [p for p in self.lightning_module.parameters() if p.requires_grad]
+
+    def training_step(self, batch: Any, batch_idx: int | None = None, *args: Any, **kwargs: Any) -> Tensor:
+        inputs, target = batch
+        params = self._local_params()
+        accumulated = take_grads(params)  # what Lightning accumulated so far stays out of the schedule's way
+        with self.precision_plugin.train_step_context():
+            out = self._runner.train_step(inputs, target)
+        self._pending_grads = take_grads(params)  # re-added in backward(), after Lightning's zero_grad
+        add_grads(params, accumulated)
+        return self.lightning_module.record_step("train", out)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """No autograd call: the schedule already did backward. Average and hand over its gradients."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        grads, self._pending_grads = self._pending_grads, None
+        if grads is not None:
+            # Lightning divides the loss by accumulate_grad_batches before backward: do the same to the gradients.
+            divisor = self.layout.dp * module.trainer.accumulate_grad_batches
+            reduce_grads(grads, self._mesh.dp_group if self.layout.dp > 1 else None, divisor)
+            add_grads(self._local_params(), grads)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def validation_step(self, batch: Any, batch_idx: int | None = None, *args: Any, **kwargs: Any) -> None:
+        with self.precision_plugin.val_step_context():
+            out = self._runner.eval_step(*batch)
+        self.lightning_module.record_step("val", out)
+
+    def test_step(self, batch: Any, batch_idx: int | None = None, *args: Any, **kwargs: Any) -> None:
+        with self.precision_plugin.test_step_context():
+            out = self._runner.eval_step(*batch)
+        self.lightning_module.record_step("test", out)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("trainer=pipeline does not predict: load the checkpoint on one device (trainer=default)")
+
+    # -- reductions: data-parallel group by default (see module docstring) ------------------------
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
+        if group is None and self._mesh is not None:
+            group = self._mesh.dp_group
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Callbacks' decisions (stop, save) must agree across every process: reduce over the world.
+        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), group=dist.group.WORLD,
+                            reduce_op="sum")
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    # -- checkpoints: one full-model file ----------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = self.lightning_module.state_dict()
+        if self._split_net is None:
+            return state
+        parts = ckpt.gather_to_first_stage(state, self._mesh)
+        return ckpt.merge_state_dicts(parts, self._block_order) if parts is not None else {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        named = ckpt.named_optimizer_state(optimizer, ckpt.param_names(self.lightning_module))
+        parts = ckpt.gather_to_first_stage(named, self._mesh)
+        return ckpt.merge_optimizer_states(parts, self._block_order) if parts is not None else {}
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        state = checkpoint["state_dict"]
+        if self._split_net is not None and module.net is self._split_net:  # take this rank's blocks only
+            local = module.state_dict().keys()
+            missing = [k for k in local if k not in state]
+            if missing and strict:
+                raise CheckpointError(f"the checkpoint lacks {missing[:3]}: it was saved from another model")
+            state = {k: state[k] for k in local if k in state}
+        module.load_state_dict(state, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        names = ckpt.param_names(self.lightning_module)
+        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            local = ckpt.local_optimizer_state(full, ckpt.group_names(optimizer, names), self._full_param_names)
+            optimizer.load_state_dict(local)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="Pipeline parallelism (torch.distributed"
+                                       ".pipelining), optionally x data parallelism")
+
