@@ -27,7 +27,7 @@ from omegaconf import DictConfig  # noqa: E402
 from src.strategies import register_strategies  # noqa: E402
 from src.strategies.checks import check_trainer_config  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
-from src.utils.config_checks import check_batch_size, check_model_data_pair  # noqa: E402
+from src.utils.config_checks import check_batch_size, check_model_data_pair, check_no_earlier_checkpoints  # noqa: E402
 from src.utils.hydra_launch import isolated_job, patch_lightning_launcher  # noqa: E402
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
 from src.utils.pylogger import RankedLogger  # noqa: E402
@@ -45,6 +45,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     Returns ``(metric_dict, object_dict)`` so tests and sweeps can look inside.
     """
     check_model_data_pair(cfg)
+    check_no_earlier_checkpoints(cfg)
     check_trainer_config(cfg.trainer)
     register_strategies()
     patch_lightning_launcher()

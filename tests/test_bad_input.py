@@ -121,8 +121,8 @@ def test_non_writable_output_dir(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("keep me")
     proc = run_entry("train", f"hydra.run.dir={blocker}/run")
-    assert proc.returncode != 0
-    assert "a_file" in proc.stderr
+    assert proc.returncode == 2
+    assert "a_file is a file, not a directory" in error_line(proc)
     assert blocker.read_text() == "keep me"
 
 
@@ -171,3 +171,14 @@ def test_busy_master_port_is_reported(make_cfg, monkeypatch):
         monkeypatch.delenv("LOCAL_RANK", raising=False)
         with pytest.raises(ConfigError, match="already in use"):
             check_trainer_config(make_cfg("train", ["trainer=ddp"]).trainer)
+
+
+@pytest.mark.fast
+def test_existing_checkpoints_are_not_overwritten(tmp_path):
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / "last.ckpt").write_bytes(b"earlier run")
+    proc = run_entry("train", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2
+    assert "already holds checkpoints" in error_line(proc)
+    assert (ckpt_dir / "last.ckpt").read_bytes() == b"earlier run"
