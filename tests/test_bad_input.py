@@ -135,6 +135,7 @@ def test_non_writable_output_dir(tmp_path):
         (["trainer=ddp", "trainer.strategy.process_group_backend=mpi", "trainer.accelerator=cpu"], "no MPI support"),
         (["trainer=ddp", "trainer.strategy.process_group_backend=ucc", "trainer.accelerator=cpu"], "not one of"),
         (["trainer.num_nodes=0"], "num_nodes=0"),
+        (["trainer=ddp", "trainer.sync_batchnorm=true", "trainer.accelerator=cpu"], "SyncBatchNorm is GPU-only"),
         (["model=toy"], "use data=toy"),
         (["data=toy"], "use model=toy"),
     ],

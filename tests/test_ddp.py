@@ -16,6 +16,7 @@ from src.distributed.ports import find_free_port
 from tests.helpers.config import ROOT, compose_cfg
 from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers
+from tests.helpers.run_if import requires_2_gpus
 
 # Full val/test sets (exactness is about every sample), 8 training steps, no dropout so runs are comparable.
 EXACT = ["model.net.dropout=0", "data.batch_size=64", "data.val_size=4999", "++trainer.limit_train_batches=8",
@@ -238,3 +239,31 @@ def test_multirun_sweep_with_ddp(tmp_path):
     assert proc.stdout.count("Initializing distributed: GLOBAL_RANK: 1") + proc.stderr.count(
         "Initializing distributed: GLOBAL_RANK: 1") == 2  # exactly one rank-1 child per job
 
+
+
+@requires_2_gpus
+@pytest.mark.gpu
+def test_sync_batchnorm_on_gpus(make_cfg):
+    """On 2 GPUs with nccl, sync_batchnorm turns every BatchNorm of ResNet18 into SyncBatchNorm."""
+    from src.train import train
+
+    cfg = make_cfg("train", ["trainer=ddp_spawn", "trainer.devices=2", "trainer.accelerator=gpu",
+                             "trainer.sync_batchnorm=true", "model=resnet18", "data.batch_size=32",
+                             "++trainer.limit_train_batches=2"])
+    metrics, objects = train(cfg)
+    assert torch.isfinite(metrics["test/loss"])
+
+
+@pytest.mark.slow
+def test_torchrun_one_node(tmp_path):
+    """`torchrun --standalone --nproc_per_node=2 src/train.py trainer=ddp`: Lightning joins torchrun's ranks."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "src/train.py"),
+         "trainer=ddp", "trainer.devices=2", *TINY_RUN, f"paths.log_dir={tmp_path}/logs"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "logs" / "train" / "runs").iterdir())
+    assert len(runs) == 1 and "torchrun" in runs[0].name  # both ranks chose the same directory
+    assert (runs[0] / "checkpoints" / "last.ckpt").is_file()
+    assert "[rank 1]" in (runs[0] / "train.log").read_text()

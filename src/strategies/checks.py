@@ -35,6 +35,10 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
     if uses_gpu and isinstance(devices, int) and devices > gpus:
         raise ConfigError(f"trainer.devices={devices} but only {gpus} GPU(s) are visible: lower trainer.devices")
 
+    if trainer_cfg.get("sync_batchnorm") and not uses_gpu:
+        raise ConfigError("trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm is GPU-only): "
+                          "set trainer.sync_batchnorm=false on CPU")
+
     backend = _strategy_option(trainer_cfg, "process_group_backend")
     if backend == "nccl" and not uses_gpu:
         raise ConfigError("process_group_backend=nccl needs CUDA GPUs: use gloo on CPU (or leave it null for auto)")
