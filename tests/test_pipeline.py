@@ -30,6 +30,7 @@ from src.models.step_module import STAGES
 from src.strategies.pipeline import checkpoint as ckpt
 from src.strategies.pipeline.mesh import resolve_layout
 from src.strategies.pipeline.partition import balanced_split, plan_stages, split_table
+from src.strategies.pipeline.runner import PipelineRunner
 from src.strategies.pipeline.schedule import check_schedule, stage_indices
 from src.strategies.pipeline.strategy import PipelineStrategy
 from src.utils.errors import ConfigError
@@ -195,6 +196,14 @@ def test_bad_models_fail_before_any_process_starts(model, trainer_kwargs, messag
 
 
 @pytest.mark.fast
+def test_training_batch_must_split_into_micro_batches():
+    runner = PipelineRunner([(0, nn.Linear(2, 2))], 2, mesh=None, device=torch.device("cpu"), schedule="GPipe",
+                            n_microbatches=4, criterion=F.mse_loss)
+    with pytest.raises(ConfigError, match="training batch of 30 samples does not split into n_microbatches=4"):
+        runner.train_step(torch.randn(30, 2), torch.randn(30, 2))
+
+
+@pytest.mark.fast
 def test_optimizer_state_merges_by_name_and_splits_back():
     """Two stage optimizers merge into the unsplit model's optimizer state, and split back unchanged."""
     full = _mlp()
@@ -263,6 +272,17 @@ def _two_stage_worker(rank: int, world_size: int, root: str) -> dict:
             "local_blocks": [n for n, _ in model.net.named_children()],
         }
 
+    # gradient accumulation: two batches, one step, the mean of their gradients
+    seed_everything(0)
+    net = _mlp()
+    reference = copy.deepcopy(net)
+    recorder = BatchRecorder()
+    trainer = _trainer(PipelineStrategy(), world_size, max_steps=1, accumulate_grad_batches=2, callbacks=[recorder])
+    trainer.fit(CountingRegression(net), datamodule=_toy_data())
+    state = trainer.strategy.lightning_module_state_dict()
+    pair = [torch.cat([recorder.batches[0][i], recorder.batches[1][i]]) for i in (0, 1)]  # equal halves
+    out["accumulate"] = _max_diff(state, _reference_steps(reference, [pair])) if rank == 0 else None
+
     # balance=time: rank 0 measures, every rank gets the same split
     seed_everything(0)
     strategy = PipelineStrategy(balance="time", n_microbatches=2)
@@ -290,8 +310,10 @@ def _two_stage_worker(rank: int, world_size: int, root: str) -> dict:
 @pytest.mark.slow
 def test_two_stage_pipeline_matches_one_device(tmp_path):
     """Proof 1: for every schedule, one optimizer step of 2 stages x 4 micro-batches gives the unsplit
-    model's parameters after one step on the same batch (1e-5); logged train loss and the test loss
-    (last test batch of 2 padded to 4 micro-batches) are exact; checkpoints resume exactly."""
+    model's parameters after one step on the same batch (1e-5), so the schedule's 1/n_microbatches
+    gradient scaling yields the full-batch-mean gradient. Also: logged train loss and test loss (last
+    test batch of 2 padded to 4 micro-batches) are exact, gradient accumulation over 2 batches equals
+    one step on both, balance=time agrees across ranks, and a checkpoint resumes exactly."""
     results = run_workers(_two_stage_worker, 2, str(tmp_path), timeout=300)
     for name, _ in SCHEDULES:
         assert results[0][name]["diff"] < 1e-5, name
@@ -303,6 +325,7 @@ def test_two_stage_pipeline_matches_one_device(tmp_path):
     assert results[0]["1F1B"]["local_blocks"] == ["fc0", "fc1"]
     assert results[1]["1F1B"]["local_blocks"] == ["fc2", "head"]
     assert results[0]["Interleaved1F1B"]["local_blocks"] == ["fc0", "fc2"]
+    assert results[0]["accumulate"] < 1e-5
     assert results[0]["time_plan"] == results[1]["time_plan"] and len(results[0]["time_plan"]) == 2
     assert results[0]["resume"]["step"] == 18 and results[0]["resume"]["diff"] == 0.0
 
@@ -355,3 +378,14 @@ def test_pipeline_times_data_parallel_2x2():
         assert r["test_seen"] == 50
         assert r["test_diff"] < 1e-5
     assert math.isclose(results[0]["test_diff"], results[1]["test_diff"])
+
+
+@pytest.mark.slow
+def test_benchmark_script_runs(tmp_path):
+    """scripts/bench_pipeline.py end to end on a tiny model (numbers meaningless): table and JSON come out."""
+    from scripts.bench_pipeline import markdown, run
+
+    result = run(out=tmp_path, width=32, depth=2, batch=16, steps=1, warmup=1, rounds=1, micro_batches=(1, 2))
+    assert [r["m"] for r in result["rows"]] == [1, 2] and result["rows"][1]["ideal"] == pytest.approx(4 / 3)
+    assert all(r["samples_per_s"] > 0 for r in result["rows"])
+    assert "| 2 |" in markdown(result) and (tmp_path / "results.json").is_file()
