@@ -1,0 +1,440 @@
+"""Collectives: correctness suite, ring all-reduce, hand-written sync SGD, benchmark, callback, entry point.
+
+Multi-process tests run real gloo ranks (``tests.helpers.multiprocess.run_workers``); to keep start-up
+costs down one spawn runs many checks and returns everything the assertions need.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import pickle
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from src.distributed.collectives.benchmark import (
+    BenchRow,
+    benchmark_sweep,
+    busbw_factor,
+    format_size,
+    parse_size,
+    size_sweep,
+)
+from src.distributed.collectives.callback import CollectivesCheck
+from src.distributed.collectives.checks import (
+    FAILED,
+    PASSED,
+    SKIPPED,
+    Check,
+    CheckResult,
+    merge_results,
+    run_checks,
+    select_checks,
+)
+from src.distributed.collectives.launch import plan_from_config
+from src.distributed.collectives.report import save_benchmark
+from src.distributed.collectives.ring import chunk_bounds, compare_with_all_reduce, ring_all_reduce
+from src.distributed.collectives.runtime import CollectiveError, CollectiveTimeoutError, all_gather_tensor
+from src.distributed.collectives.suite import (
+    ALL_CHECKS,
+    BITWISE_OPS,
+    CHECK_NAMES,
+    reduction_expected,
+    reduction_input,
+)
+from src.distributed.collectives.sync_sgd import DataPartitioner, compare_with_ddp, partition_dataset
+from src.distributed.ports import find_free_port
+from src.utils.errors import ConfigError
+from tests.helpers.multiprocess import run_workers
+from tests.helpers.run_if import requires_2_gpus, requires_nccl
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ====================================================================== single-process (fast)
+
+@pytest.mark.fast
+@pytest.mark.parametrize("numel", [0, 1, 2, 5, 7, 1000])
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+def test_chunk_bounds_cover_evenly(numel, parts):
+    b = chunk_bounds(numel, parts)
+    sizes = [hi - lo for lo, hi in zip(b[:-1], b[1:], strict=True)]
+    assert b[0] == 0 and b[-1] == numel and len(sizes) == parts
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("op", ["SUM", "PRODUCT", "MIN", "MAX", "AVG", *BITWISE_OPS])
+def test_closed_forms_match_a_direct_fold(n, op):
+    """The suite's closed forms agree with folding every rank's input by hand."""
+    dtype = torch.int64 if op in BITWISE_OPS else torch.float64
+    inputs = [reduction_input(op, r, n, dtype, torch.device("cpu")) for r in range(n)]
+    fold = {"SUM": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum,
+            "AVG": torch.add, "BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
+    direct = functools.reduce(fold, inputs)
+    if op == "AVG":
+        direct = direct / n
+    assert torch.equal(reduction_expected(op, n, dtype), direct)
+
+
+@pytest.mark.fast
+def test_sizes_and_bus_factors():
+    assert size_sweep() == [1024 * 4**k for k in range(9)]  # 1KB .. 64MB in powers of 4
+    assert [parse_size(s) for s in ("1KB", "16M", "2GiB", 512)] == [1024, 16 << 20, 2 << 30, 512]
+    assert [format_size(s) for s in (1024, 1 << 20, (1 << 20) - 4)] == ["1KB", "1MB", "1MB"]
+    for bad in ("1XB", "-1", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert busbw_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert busbw_factor("ring_all_reduce", 2) == 1.0
+    assert busbw_factor("all_gather", 4) == busbw_factor("reduce_scatter", 4) == busbw_factor("all_to_all", 4) == 0.75
+    assert busbw_factor("broadcast", 8) == busbw_factor("reduce", 8) == busbw_factor("memcpy", 8) == 1.0
+
+
+@pytest.mark.fast
+def test_tensor_forms_avoid_deprecated_names():
+    if hasattr(dist, "all_gather_single"):
+        assert all_gather_tensor is dist.all_gather_single
+    names = set(CHECK_NAMES)
+    assert {"all_gather", "reduce_scatter", "all_to_all", "all_to_all_single", "scatter", "gather"} <= names
+    assert ("all_gather_single" in names) == hasattr(dist, "all_gather_single")
+
+
+@pytest.mark.fast
+def test_merge_marks_an_op_failed_when_any_rank_failed():
+    rank0 = [CheckResult("x", PASSED, [0], "[1]", "[1]"), CheckResult("y", SKIPPED, [0], reason="r")]
+    rank1 = [CheckResult("x", FAILED, [1], "[1]", "[2]", failed_ranks=[1]), CheckResult("y", SKIPPED, [1], reason="r")]
+    merged = {r.op: r for r in merge_results([rank0, rank1])}
+    assert merged["x"].status == FAILED and merged["x"].failed_ranks == [1] and merged["x"].ranks == [0, 1]
+    assert "expected [1]" in merged["x"].describe() and "received [2]" in merged["x"].describe()
+    assert merged["y"].status == SKIPPED
+    with pytest.raises(ValueError, match="unknown collective"):
+        select_checks(ALL_CHECKS, ["no_such_op"])
+    assert {c.collective for c in select_checks(ALL_CHECKS, ["all_reduce"])} == {"all_reduce"}
+
+
+@pytest.mark.fast
+def test_partitioner_is_deterministic_and_disjoint():
+    data = list(range(103))
+    shards = [partition_dataset(data, r, 4, seed=7) for r in range(4)]
+    items = [set(s[i] for i in range(len(s))) for s in shards]
+    assert all(len(s) == 103 // 4 for s in shards)
+    assert len(set().union(*items)) == sum(len(s) for s in items)  # pairwise disjoint
+    assert [shards[1][i] for i in range(5)] == [partition_dataset(data, 1, 4, seed=7)[i] for i in range(5)]
+    assert DataPartitioner(data, [0.5, 0.5], seed=1).partitions != DataPartitioner(data, [0.5, 0.5], seed=2).partitions
+
+
+@pytest.mark.fast
+def test_report_files(tmp_path):
+    rows = [BenchRow(op, size, 2, "gloo", "float32", 2, 10.0 * size / 1024, 1.0, busbw_factor(op, 2))
+            for op in ("all_reduce", "ring_all_reduce", "memcpy") for size in (1024, 4096)]
+    paths = save_benchmark(rows, tmp_path, meta={"note": "fake"})
+    assert paths["png"].read_bytes()[:8] == PNG_MAGIC
+    assert len(json.loads(paths["json"].read_text())["rows"]) == 6
+    assert paths["csv"].read_text().splitlines()[0].startswith("op,size_bytes")
+
+
+class _StubTrainer:
+    """The few Trainer attributes the callback reads."""
+
+    def __init__(self, rank: int, world_size: int, out_dir: str) -> None:
+        self.loggers, self.current_epoch, self.global_step = [], 0, 0
+        self.world_size, self.is_global_zero = world_size, rank == 0
+        self.log_dir = self.default_root_dir = out_dir
+
+
+@pytest.mark.fast
+def test_callback_without_process_group_says_so_once(tmp_path, caplog):
+    cb = CollectivesCheck(at=["setup", "fit_start"], every_n_epochs=1)
+    cb = pickle.loads(pickle.dumps(cb))  # ddp_spawn pickles callbacks
+    with caplog.at_level(logging.INFO):
+        assert cb.run(_StubTrainer(0, 1, str(tmp_path)), "setup") is None
+        assert cb.run(_StubTrainer(0, 1, str(tmp_path)), "fit_start") is None
+    assert sum("nothing to check" in r.getMessage() for r in caplog.records) == 1
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ConfigError, match="trigger"):
+        CollectivesCheck(at="epoch_start")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"nproc": 0}, "nproc=0"),
+        ({"mode": "nope"}, "mode=nope"),
+        ({"mode": "blocking", "nproc": 1}, "nproc>=2"),
+        ({"backend": "mpi"}, "backend=mpi"),
+        ({"backend": "tpu"}, "backend=tpu"),
+        ({"init_method": "tcp://127.0.0.1"}, "host and a port"),
+        ({"init_method": "udp://x:1"}, "not env://"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"mode": "bench", "bench": {"sizes": ["1XB"]}}, "bench.sizes"),
+        ({"mode": "bench", "bench": {"ops": ["all_reduce", "nope"]}}, "bench.ops"),
+        ({"check": {"ops": ["nope"]}}, "check.ops"),
+    ],
+)
+def test_bad_config_is_refused_before_spawning(overrides, message, monkeypatch, tmp_path):
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = {"mode": "check", "nproc": 2, "backend": "gloo", "init_method": "env://", "timeout_s": 10, **overrides}
+    if overrides.get("backend") == "mpi" and dist.is_mpi_available():
+        pytest.skip("this torch has MPI")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        plan_from_config(cfg, tmp_path)
+
+
+@pytest.mark.fast
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_nccl_without_gpu_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="backend=nccl needs a CUDA GPU"):
+        plan_from_config({"mode": "check", "nproc": 2, "backend": "nccl", "init_method": "env://",
+                          "timeout_s": 10}, tmp_path)
+
+
+# ====================================================================== multi-process (slow)
+
+def _faulty_all_reduce(ctx):
+    """An injected faulty op: the last rank corrupts its all_reduce result."""
+    t = torch.full((3,), float(ctx.rank + 1), device=ctx.device)
+    ctx.wait(dist.all_reduce(t, async_op=True))
+    if ctx.rank == ctx.world_size - 1:
+        t += 1
+    n = ctx.world_size
+    return torch.full((3,), n * (n + 1) / 2), t
+
+
+def _ring_cases(n: int) -> list[dict]:
+    numels = [0, 1, n - 1, 7, 1000, 2**20 + 3]
+    rows = compare_with_all_reduce(numels)
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+        rows += [{**r, "op": str(op)} for r in compare_with_all_reduce([0, 5, 1000], op=op)]
+    # the stepwise schedule, tiny segments (many per chunk), and a non-contiguous input
+    x = torch.arange(3000, dtype=torch.float64).reshape(60, 50).t() * (dist.get_rank() + 1)
+    y = x.clone()
+    ring_all_reduce(x, segment_bytes=64)
+    dist.all_reduce(y)
+    z = torch.arange(1001, dtype=torch.int64) * (dist.get_rank() + 1)
+    zz = z.clone()
+    ring_all_reduce(z, pipelined=False)
+    dist.all_reduce(zz)
+    rows.append({"numel": 3000, "dtype": "non-contiguous/segments", "equal": torch.equal(x, y)})
+    rows.append({"numel": 1001, "dtype": "stepwise", "equal": torch.equal(z, zz)})
+    return rows
+
+
+def _many_checks(rank: int, world_size: int, out_dir: str, with_bench: bool) -> dict:
+    """One spawn, everything: suite, ring, sync SGD, faulty op, callback failure, small benchmark, timeout."""
+    out: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = run_checks(timeout_s=30)
+    out["results"] = [(r.op, r.status, r.reason) for r in report.results]
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning | FutureWarning)]
+    out["ring"] = _ring_cases(world_size)
+    out["sgd"] = compare_with_ddp(steps=3, batch_size=8)
+
+    faulty = Check("all_reduce.faulty", _faulty_all_reduce)
+    bad = run_checks(checks=[], extra_checks=[faulty], timeout_s=30)
+    try:
+        bad.raise_if_failed()
+    except CollectiveError as err:
+        out["faulty_message"] = str(err)
+    cb = CollectivesCheck(at="fit_start", ops=["barrier"], extra_checks=[faulty])
+    try:
+        cb.run(_StubTrainer(rank, world_size, out_dir), "fit_start")
+    except CollectiveError as err:
+        out["callback_message"] = str(err)
+
+    if with_bench:
+        rows, skipped = benchmark_sweep(["4KB", "64KB"], warmup=1, iters=2)
+        out["bench_skipped"] = skipped
+        if rank == 0:
+            save_benchmark(rows, out_dir, skipped)
+
+    # last, as it leaves the group unusable: rank 0 waits for an all_reduce that rank 1 never joins
+    timeout_check = Check("all_reduce.missing_rank", _all_reduce_without_last_rank)
+    start = time.monotonic()
+    try:
+        run_checks(checks=[], extra_checks=[timeout_check], timeout_s=1.0, gather=False)
+    except CollectiveTimeoutError as err:
+        out["timeout_message"] = str(err)
+    out["timeout_seconds"] = time.monotonic() - start
+    return out
+
+
+def _all_reduce_without_last_rank(ctx):
+    if ctx.rank == ctx.world_size - 1:
+        time.sleep(2)  # stay alive so the others see a timeout, not a closed connection
+        return None
+    t = torch.ones(2)
+    ctx.wait(dist.all_reduce(t, async_op=True))
+    return t, t
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def many(request, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp(f"collectives{request.param}")
+    results = run_workers(_many_checks, request.param, str(out_dir), request.param == 2, timeout=240)
+    return request.param, out_dir, results
+
+
+@pytest.mark.slow
+def test_every_check_passes_and_ran(many):
+    n, _, results = many
+    for per_rank in results:
+        ran = {op for op, _, _ in per_rank["results"]}
+        assert ran == set(CHECK_NAMES)  # the expected set of ops actually ran
+        for op, status, reason in per_rank["results"]:
+            assert status == PASSED or (status == SKIPPED and "unsupported by" in reason), (op, status, reason)
+        assert per_rank["warnings"] == []  # no deprecated tensor-form collectives
+
+
+@pytest.mark.slow
+def test_ring_all_reduce_equals_builtin(many):
+    n, _, results = many
+    for per_rank in results:
+        cases = per_rank["ring"]
+        assert {c["numel"] for c in cases} >= {0, 1, n - 1, 7, 1000, 2**20 + 3}
+        assert {"float32", "float64", "int64"} <= {c["dtype"] for c in cases}
+        assert all(c["equal"] for c in cases), [c for c in cases if not c["equal"]]
+
+
+@pytest.mark.slow
+def test_sync_sgd_matches_ddp(many):
+    _, _, results = many
+    for per_rank in results:
+        assert per_rank["sgd"]["max_grad_diff"] <= 1e-6
+        assert per_rank["sgd"]["max_param_diff"] <= 1e-6
+
+
+@pytest.mark.slow
+def test_wrong_reduction_is_reported(many):
+    n, out_dir, results = many
+    for per_rank in results:
+        for key in ("faulty_message", "callback_message"):
+            msg = per_rank[key]
+            assert "all_reduce.faulty" in msg and f"ranks [{n - 1}]" in msg
+            expected = n * (n + 1) / 2
+            assert f"expected [{expected:g}" in msg and f"received [{expected + 1:g}" in msg
+    saved = json.loads((out_dir / "collectives.json").read_text())["runs"][0]
+    assert saved["checks"]["counts"]["failed"] == 1 and "all_reduce.faulty" in saved["error"]
+
+
+@pytest.mark.slow
+def test_hung_collective_times_out_with_its_name(many):
+    _, _, results = many
+    assert "all_reduce.missing_rank" in results[0]["timeout_message"]
+    assert results[0]["timeout_seconds"] < 2.5
+
+
+@pytest.mark.slow
+def test_small_benchmark_writes_outputs(many):
+    n, out_dir, results = many
+    if n != 2:
+        pytest.skip("benchmark runs in the 2-rank spawn only")
+    assert results[0]["bench_skipped"] == {}
+    rows = json.loads((out_dir / "collectives_bench.json").read_text())["rows"]
+    assert {r["op"] for r in rows} >= {"all_reduce", "ring_all_reduce", "all_gather", "reduce_scatter",
+                                        "all_to_all", "broadcast", "reduce", "memcpy"}
+    assert len({r["size_bytes"] for r in rows}) == 2
+    assert all(r["busbw_GBps"] > 0 and r["latency_us"] > 0 for r in rows)
+    assert (out_dir / "collectives_bench.png").read_bytes()[:8] == PNG_MAGIC
+    assert len((out_dir / "collectives_bench.csv").read_text().splitlines()) == len(rows) + 1
+
+
+class _TinyModule(L.LightningModule):
+    """Just enough model for a fit: the callback needs nothing from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)),
+                          batch_size=4)
+
+
+@pytest.mark.slow
+def test_callback_in_a_two_process_ddp_spawn_fit(tmp_path):
+    cb = CollectivesCheck(at=["setup", "fit_start"], every_n_epochs=1, benchmark=True, bench_sizes=["4KB"],
+                          bench_warmup=1, bench_iters=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, callbacks=[cb],
+                        logger=CSVLogger(tmp_path), enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(_TinyModule())
+    log_dir = tmp_path / "lightning_logs" / "version_0"
+    runs = json.loads((log_dir / "collectives.json").read_text())["runs"]
+    assert [r["trigger"] for r in runs] == ["setup:fit", "fit_start", "epoch_end:0"]
+    assert all(r["checks"]["counts"]["failed"] == 0 and r["checks"]["world_size"] == 2 for r in runs)
+    header = (log_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"comm/check/passed", "comm/check/failed", "comm/all_reduce/busbw_GBps",
+            "comm/ring_all_reduce/busbw_GBps"} <= set(header)
+
+
+def _run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "src" / "collectives.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.slow
+def test_entry_point_check_mode(tmp_path):
+    proc = _run_cli("mode=check", "nproc=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = json.loads((tmp_path / "collectives_check.json").read_text())
+    assert saved["counts"]["failed"] == 0 and saved["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_entry_point_bad_option_is_one_line(tmp_path):
+    proc = _run_cli("nproc=0", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["error: nproc=0 must be an integer >= 1"]
+
+
+# ====================================================================== GPU (skipped without CUDA)
+
+def _nccl_suite(rank: int, world_size: int, port: int) -> list[tuple[str, str, str]]:
+    """Swap the helper's gloo group for an nccl one (tensors on cuda:rank) and run the suite."""
+    torch.cuda.set_device(rank)
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    report = run_checks(timeout_s=60)
+    x = torch.arange(1 << 20, dtype=torch.float32, device=f"cuda:{rank}") * (rank + 1)
+    y = x.clone()
+    ring_all_reduce(x)
+    dist.all_reduce(y)
+    return [(r.op, r.status, r.reason) for r in report.results] + [("ring", str(torch.equal(x, y)), "")]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@requires_nccl
+@requires_2_gpus
+def test_suite_on_nccl():
+    for per_rank in run_workers(_nccl_suite, 2, find_free_port()):
+        assert ("ring", "True", "") in per_rank
+        assert all(status != FAILED for _, status, _ in per_rank), per_rank
