@@ -15,7 +15,12 @@ Fairness:
 * same model (identical weights), same global batch, same loss and optimizer (SGD), same
   number of steps;
 * contenders alternate side by side in one run (unsplit, m=1, m=2, ... then again), each round
-  timed between barriers; warm-up steps are excluded; the median round counts.
+  timed between barriers; warm-up steps are excluded; the median round counts;
+* a calibration measures how much parallel compute the processes actually get (the same matmuls
+  on one process alone vs on all at once): on a machine whose "cores" are shared (VM vCPUs on
+  one physical core, other jobs running) no pipeline can reach the ideal, and the table says so
+  in its last columns (:func:`attainable_speedup` for the measured capacity, and the efficiency
+  against it).
 
 The model is a wide MLP (``depth`` blocks of ``Linear(width, width) + ReLU``, then a head), so
 each stage computes far more than it sends (one ``micro-batch x width`` activation).
@@ -49,7 +54,7 @@ from src.strategies.pipeline.runner import PipelineRunner  # noqa: E402
 from src.strategies.pipeline.schedule import canonical_schedule, check_schedule  # noqa: E402
 
 DEFAULTS: dict[str, Any] = dict(
-    micro_batches=(1, 2, 4, 8), stages=2, width=1024, depth=8, batch=256, steps=5, warmup=2, rounds=3,
+    micro_batches=(1, 2, 4, 8), stages=2, width=1024, depth=8, batch=1024, steps=3, warmup=1, rounds=3,
     schedule="GPipe", lr=0.01, seed=0,
 )
 
@@ -65,6 +70,17 @@ def wide_mlp(width: int, depth: int, classes: int = 10) -> nn.Sequential:
 
 def ideal_speedup(p: int, m: int) -> float:
     return p * m / (m + p - 1)
+
+
+def attainable_speedup(p: int, m: int, capacity: float) -> float:
+    """The ideal speedup when ``p`` processes get only ``capacity`` cores' worth of compute together.
+
+    Slot model of the fill-drain schedule: in slot ``k`` the stages with a micro-batch to work on
+    are busy; a slot lasts one stage-micro-batch time when they fit in ``capacity`` cores, longer
+    in proportion when they must share. Equals :func:`ideal_speedup` when ``capacity >= p``.
+    """
+    slots = [sum(0 <= k - s < m for s in range(p)) for k in range(m + p - 1)]
+    return p * m / sum(max(1.0, busy / capacity) for busy in slots)
 
 
 def _timed(step, steps: int) -> float:
@@ -110,7 +126,21 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
                 opt.step()
             return step
 
-        contenders = {"unsplit": unsplit_step, **{m: pipeline_step(m) for m in cfg["micro_batches"]}}
+        # Calibration: the same matmuls on one process alone, then on every process at once. Their time
+        # ratio is how many cores' worth of compute the processes really get together (a VM's vCPUs can
+        # share one physical core, and other jobs compete for them).
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+
+        def matmuls() -> None:
+            for _ in range(4):
+                a @ b
+
+        contenders = {
+            "solo": lambda: matmuls() if rank == 0 else None,
+            "together": matmuls,
+            "unsplit": unsplit_step,
+            **{m: pipeline_step(m) for m in cfg["micro_batches"]},
+        }
         for step in contenders.values():  # warm-up: allocations, schedule metadata, caches
             _timed(step, cfg["warmup"])
         times: dict[Any, list[float]] = {name: [] for name in contenders}
@@ -136,6 +166,7 @@ def run(out: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any
         check_schedule(cfg["schedule"], m, 1, pp=p)
         if cfg["batch"] % m:
             raise ValueError(f"batch={cfg['batch']} must be divisible by every micro-batch count (got m={m})")
+    load_before = os.getloadavg()[0]  # other work on the machine skews the result: record it
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = find_free_port()
@@ -154,20 +185,26 @@ def run(out: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any
 
     samples = cfg["batch"] * cfg["steps"]
     base = samples / statistics.median(times["unsplit"])
+    capacity = p * statistics.median(times["solo"]) / statistics.median(times["together"])
     rows = []
     for m in cfg["micro_batches"]:
         throughput = samples / statistics.median(times[m])
         ideal = ideal_speedup(p, m)
         rows.append(dict(m=m, samples_per_s=throughput, speedup=throughput / base, ideal=ideal,
-                         efficiency=throughput / base / ideal, bubble=(p - 1) / (m + p - 1)))
+                         efficiency=throughput / base / ideal, bubble=(p - 1) / (m + p - 1),
+                         attainable=attainable_speedup(p, m, capacity),
+                         efficiency_vs_attainable=throughput / base / attainable_speedup(p, m, capacity)))
     result = {
         "benchmark": "pipeline",
         "config": {**cfg, "micro_batches": list(cfg["micro_batches"])},
         "threads_per_process": 1,
         "unsplit_samples_per_s": base,
+        "parallel_capacity_cores": capacity,
         "rows": rows,
         "round_seconds": {str(k): v for k, v in times.items()},
         "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
     }
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -181,14 +218,18 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Pipeline, p = {cfg['stages']} stages ({cfg['schedule']}), wide MLP {cfg['depth']}x{cfg['width']}, "
         f"global batch {cfg['batch']}, 1 thread per process; unsplit model on one process: "
-        f"{result['unsplit_samples_per_s']:.0f} samples/s",
+        f"{result['unsplit_samples_per_s']:.0f} samples/s (load average before/after: "
+        f"{result['load_average_1min']['before']:.1f}/{result['load_average_1min']['after']:.1f} "
+        f"on {result['cpu_count']} cores)",
+        f"Calibration: {cfg['stages']} processes computing at once got "
+        f"{result['parallel_capacity_cores']:.2f} cores' worth of compute (ideal: {cfg['stages']})",
         "",
-        "| m | samples/s | speedup | ideal p·m/(m+p−1) | efficiency |",
-        "|---:|---:|---:|---:|---:|",
+        "| m | samples/s | speedup | ideal p·m/(m+p−1) | efficiency | attainable here | efficiency vs attainable |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(f"| {r['m']} | {r['samples_per_s']:.0f} | {r['speedup']:.2f} | {r['ideal']:.2f} | "
-                     f"{r['efficiency']:.2f} |")
+                     f"{r['efficiency']:.2f} | {r['attainable']:.2f} | {r['efficiency_vs_attainable']:.2f} |")
     return "\n".join(lines)
 
 

@@ -196,6 +196,13 @@ def test_bad_models_fail_before_any_process_starts(model, trainer_kwargs, messag
 
 
 @pytest.mark.fast
+def test_predict_is_refused_before_any_process_starts():
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(), logger=False)
+    with pytest.raises(ConfigError, match="does not predict"):
+        trainer.predict(CountingRegression(ToyNet()), datamodule=_toy_data())
+
+
+@pytest.mark.fast
 def test_training_batch_must_split_into_micro_batches():
     runner = PipelineRunner([(0, nn.Linear(2, 2))], 2, mesh=None, device=torch.device("cpu"), schedule="GPipe",
                             n_microbatches=4, criterion=F.mse_loss)

@@ -7,7 +7,9 @@ identical values on every rank.
 
 Schedules are cached per ``(training, micro-batch shape, dtype)``: a ``PipelineStage``
 fixes its receive buffers' shapes at its first step, so a batch of another size needs its
-own stage objects (cheap: they wrap the same blocks).
+own stage objects (cheap: they wrap the same blocks). Evaluation uses forward-only schedules
+(built without a loss) rather than ``schedule.eval()`` on the training schedule, since flipping
+one schedule between modes makes torch redo its stage warm-up at every train/eval switch.
 
 **Evaluation batches that do not divide** (the eval loaders keep their last, smaller
 batch): the batch is *padded* with copies of its first row up to a multiple of

@@ -146,6 +146,8 @@ class PipelineStrategy(DDPStrategy):
         self._launcher.launch = launch_checked
 
     def _preflight(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            raise ConfigError("trainer=pipeline does not predict: load the checkpoint on one device (trainer=default)")
         module = trainer.lightning_module
         for hook in ("criterion", "record_step"):
             if not callable(getattr(module, hook, None)):
@@ -203,16 +205,13 @@ class PipelineStrategy(DDPStrategy):
         net = module.net
         if net is self._split_net:
             return
-        blocks = named_blocks(net)
-        names = [name for name, _ in blocks]
-        if self._plan is None or names != self._block_order:
-            self._plan = self._make_plan(net, trainer)
-        self._block_order = names
+        self._block_order = [name for name, _ in named_blocks(net)]
+        self._plan = self._make_plan(net, trainer)
         self._full_param_names = [n for n, p in module.named_parameters() if p.requires_grad]
         mesh = self._mesh
         local = stage_indices(mesh.pp_rank, mesh.layout.pp, self.stages_per_rank)
         keep = {b for s in local for b in self._plan[s].blocks}
-        for name in names:
+        for name in self._block_order:
             if name not in keep:
                 delattr(net, name)
         modules = [
