@@ -196,6 +196,13 @@ def test_bad_models_fail_before_any_process_starts(model, trainer_kwargs, messag
 
 
 @pytest.mark.fast
+def test_batch_that_does_not_split_is_refused_before_any_process_starts():
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=4), logger=False)
+    with pytest.raises(ConfigError, match="data.batch_size=30 gives 30 samples per pipeline replica"):
+        trainer.fit(CountingRegression(ToyNet()), datamodule=_toy_data(batch_size=30))
+
+
+@pytest.mark.fast
 def test_predict_is_refused_before_any_process_starts():
     trainer = Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(), logger=False)
     with pytest.raises(ConfigError, match="does not predict"):

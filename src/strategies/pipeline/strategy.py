@@ -141,6 +141,7 @@ class PipelineStrategy(DDPStrategy):
         # (Wrapping the method keeps the launcher's class, which Lightning checks with isinstance.)
         def launch_checked(function: Any, *args: Any, trainer: pl.Trainer, **kwargs: Any) -> Any:
             self._preflight(trainer)
+            self._check_batch_size([a for a in args if isinstance(a, pl.LightningDataModule)])
             return launch(function, *args, trainer=trainer, **kwargs)
 
         self._launcher.launch = launch_checked
@@ -170,6 +171,19 @@ class PipelineStrategy(DDPStrategy):
                               "set trainer.gradient_clip_algorithm=value, or unset gradient_clip_val")
         if self._layer_sync is not None:
             raise ConfigError("trainer.sync_batchnorm=true is not supported with trainer=pipeline: set it to false")
+
+    def _check_batch_size(self, datamodules: list[pl.LightningDataModule]) -> None:
+        """The project's DataModules take a *global* ``batch_size``: check its micro-batch split up front."""
+        for dm in datamodules:
+            batch = getattr(dm, "hparams", {}).get("batch_size")
+            if not isinstance(batch, int) or batch % self.layout.dp:
+                continue  # not this template's convention, or the DataModule reports it itself
+            if (batch // self.layout.dp) % self.n_microbatches:
+                raise ConfigError(
+                    f"data.batch_size={batch} gives {batch // self.layout.dp} samples per pipeline replica, which "
+                    f"do not split into n_microbatches={self.n_microbatches}: use a batch size that is a multiple "
+                    f"of {self.layout.dp * self.n_microbatches}"
+                )
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
