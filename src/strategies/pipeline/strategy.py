@@ -153,6 +153,8 @@ class PipelineStrategy(DDPStrategy):
         for hook in ("criterion", "record_step"):
             if not callable(getattr(module, hook, None)):
                 raise ConfigError(f"trainer=pipeline needs a StepModule (with `{hook}`), got {type(module).__name__}")
+        if not isinstance(getattr(module, "net", None), nn.Module):
+            raise ConfigError(f"trainer=pipeline splits the module's `net` attribute; {type(module).__name__} has none")
         if not module.automatic_optimization:
             raise ConfigError("trainer=pipeline runs backward inside the schedule: manual optimization is not supported")
         if getattr(module.hparams, "compile", False):
