@@ -44,8 +44,8 @@ class ClassificationModule(StepModule):
         loss_metric, acc_metric = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_acc")
         loss_metric.update(loss, target.shape[0])
         acc_metric.update(out["output"].detach().argmax(dim=1), target)
-        self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
-        self.log(f"{stage}/acc", acc_metric, on_step=False, on_epoch=True, prog_bar=True)
+        self.log_epoch_metric(f"{stage}/loss", loss_metric)
+        self.log_epoch_metric(f"{stage}/acc", acc_metric)
         return loss
 
     def on_train_start(self) -> None:

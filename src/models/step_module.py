@@ -19,6 +19,7 @@ from typing import Any, TypedDict
 import torch
 from lightning import LightningModule
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 
 class StepOutput(TypedDict):
@@ -55,6 +56,18 @@ class StepModule(LightningModule):
 
     def record_step(self, stage: str, out: StepOutput) -> Tensor:
         raise NotImplementedError
+
+    def log_epoch_metric(self, name: str, metric: Metric, prog_bar: bool = True) -> None:
+        """``self.log(name, metric, on_step=False, on_epoch=True)``, called only on the metric's first update since its last reset.
+
+        Lightning keeps a reference to a logged ``Metric``, calls ``compute()`` (synced across
+        ranks) when the epoch's value is read and ``reset()`` at the epoch's end, so logging
+        it once per epoch yields the same values as logging it every step. Each ``self.log``
+        call re-registers the metric (``_ResultMetric.to`` walks its state), ~0.15 ms per
+        call, ~10% of an MLP training step on CPU. Call this *after* ``metric.update``.
+        """
+        if metric.update_count == 1:
+            self.log(name, metric, on_step=False, on_epoch=True, prog_bar=prog_bar)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self.record_step("train", self.model_step(batch))
