@@ -42,6 +42,9 @@ def main(cfg: DictConfig) -> None:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    if plan.external is None or plan.external.rank == 0:
+        for note in plan.notes:
+            print(f"note: {note}", flush=True)
     try:
         launch(plan)
     except (RankFailed, CollectiveError) as err:

@@ -1,7 +1,8 @@
 """Collectives: correctness suite, ring all-reduce, hand-written sync SGD, benchmark, callback, entry point.
 
 Multi-process tests run real gloo ranks (``tests.helpers.multiprocess.run_workers``); to keep start-up
-costs down one spawn runs many checks and returns everything the assertions need.
+costs down one spawn runs many checks and returns everything the assertions need. The rank functions are
+in ``tests/test_collectives_workers.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import logging
 import pickle
 import subprocess
 import sys
-import time
-import warnings
 from pathlib import Path
 
 import lightning as L
@@ -25,7 +24,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from src.distributed.collectives.benchmark import (
     BenchRow,
-    benchmark_sweep,
     busbw_factor,
     format_size,
     parse_size,
@@ -39,13 +37,12 @@ from src.distributed.collectives.checks import (
     Check,
     CheckResult,
     merge_results,
-    run_checks,
     select_checks,
 )
 from src.distributed.collectives.launch import plan_from_config
 from src.distributed.collectives.report import save_benchmark
-from src.distributed.collectives.ring import chunk_bounds, compare_with_all_reduce, ring_all_reduce
-from src.distributed.collectives.runtime import CollectiveError, CollectiveTimeoutError, all_gather_tensor
+from src.distributed.collectives.ring import chunk_bounds
+from src.distributed.collectives.runtime import all_gather_tensor
 from src.distributed.collectives.suite import (
     ALL_CHECKS,
     BITWISE_OPS,
@@ -53,9 +50,10 @@ from src.distributed.collectives.suite import (
     reduction_expected,
     reduction_input,
 )
-from src.distributed.collectives.sync_sgd import DataPartitioner, compare_with_ddp, partition_dataset
+from src.distributed.collectives.sync_sgd import DataPartitioner, partition_dataset
 from src.distributed.ports import find_free_port
 from src.utils.errors import ConfigError
+from tests import test_collectives_workers as workers
 from tests.helpers.multiprocess import run_workers
 from tests.helpers.run_if import requires_2_gpus, requires_nccl
 
@@ -206,88 +204,10 @@ def test_nccl_without_gpu_is_refused(tmp_path):
 
 # ====================================================================== multi-process (slow)
 
-def _faulty_all_reduce(ctx):
-    """An injected faulty op: the last rank corrupts its all_reduce result."""
-    t = torch.full((3,), float(ctx.rank + 1), device=ctx.device)
-    ctx.wait(dist.all_reduce(t, async_op=True))
-    if ctx.rank == ctx.world_size - 1:
-        t += 1
-    n = ctx.world_size
-    return torch.full((3,), n * (n + 1) / 2), t
-
-
-def _ring_cases(n: int) -> list[dict]:
-    numels = [0, 1, n - 1, 7, 1000, 2**20 + 3]
-    rows = compare_with_all_reduce(numels)
-    for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
-        rows += [{**r, "op": str(op)} for r in compare_with_all_reduce([0, 5, 1000], op=op)]
-    # the stepwise schedule, tiny segments (many per chunk), and a non-contiguous input
-    x = torch.arange(3000, dtype=torch.float64).reshape(60, 50).t() * (dist.get_rank() + 1)
-    y = x.clone()
-    ring_all_reduce(x, segment_bytes=64)
-    dist.all_reduce(y)
-    z = torch.arange(1001, dtype=torch.int64) * (dist.get_rank() + 1)
-    zz = z.clone()
-    ring_all_reduce(z, pipelined=False)
-    dist.all_reduce(zz)
-    rows.append({"numel": 3000, "dtype": "non-contiguous/segments", "equal": torch.equal(x, y)})
-    rows.append({"numel": 1001, "dtype": "stepwise", "equal": torch.equal(z, zz)})
-    return rows
-
-
-def _many_checks(rank: int, world_size: int, out_dir: str, with_bench: bool) -> dict:
-    """One spawn, everything: suite, ring, sync SGD, faulty op, callback failure, small benchmark, timeout."""
-    out: dict = {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = run_checks(timeout_s=30)
-    out["results"] = [(r.op, r.status, r.reason) for r in report.results]
-    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning | FutureWarning)]
-    out["ring"] = _ring_cases(world_size)
-    out["sgd"] = compare_with_ddp(steps=3, batch_size=8)
-
-    faulty = Check("all_reduce.faulty", _faulty_all_reduce)
-    bad = run_checks(checks=[], extra_checks=[faulty], timeout_s=30)
-    try:
-        bad.raise_if_failed()
-    except CollectiveError as err:
-        out["faulty_message"] = str(err)
-    cb = CollectivesCheck(at="fit_start", ops=["barrier"], extra_checks=[faulty])
-    try:
-        cb.run(_StubTrainer(rank, world_size, out_dir), "fit_start")
-    except CollectiveError as err:
-        out["callback_message"] = str(err)
-
-    if with_bench:
-        rows, skipped = benchmark_sweep(["4KB", "64KB"], warmup=1, iters=2)
-        out["bench_skipped"] = skipped
-        if rank == 0:
-            save_benchmark(rows, out_dir, skipped)
-
-    # last, as it leaves the group unusable: rank 0 waits for an all_reduce that rank 1 never joins
-    timeout_check = Check("all_reduce.missing_rank", _all_reduce_without_last_rank)
-    start = time.monotonic()
-    try:
-        run_checks(checks=[], extra_checks=[timeout_check], timeout_s=1.0, gather=False)
-    except CollectiveTimeoutError as err:
-        out["timeout_message"] = str(err)
-    out["timeout_seconds"] = time.monotonic() - start
-    return out
-
-
-def _all_reduce_without_last_rank(ctx):
-    if ctx.rank == ctx.world_size - 1:
-        time.sleep(2)  # stay alive so the others see a timeout, not a closed connection
-        return None
-    t = torch.ones(2)
-    ctx.wait(dist.all_reduce(t, async_op=True))
-    return t, t
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def many(request, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp(f"collectives{request.param}")
-    results = run_workers(_many_checks, request.param, str(out_dir), request.param == 2, timeout=240)
+    results = run_workers(workers.many_checks, request.param, str(out_dir), timeout=240)
     return request.param, out_dir, results
 
 
@@ -320,17 +240,17 @@ def test_sync_sgd_matches_ddp(many):
         assert per_rank["sgd"]["max_param_diff"] <= 1e-6
 
 
+def _assert_names_faulty_op(msg: str, n: int) -> None:
+    expected = n * (n + 1) / 2
+    assert "all_reduce.faulty" in msg and f"ranks [{n - 1}]" in msg
+    assert f"expected [{expected:g}" in msg and f"received [{expected + 1:g}" in msg
+
+
 @pytest.mark.slow
 def test_wrong_reduction_is_reported(many):
-    n, out_dir, results = many
+    n, _, results = many
     for per_rank in results:
-        for key in ("faulty_message", "callback_message"):
-            msg = per_rank[key]
-            assert "all_reduce.faulty" in msg and f"ranks [{n - 1}]" in msg
-            expected = n * (n + 1) / 2
-            assert f"expected [{expected:g}" in msg and f"received [{expected + 1:g}" in msg
-    saved = json.loads((out_dir / "collectives.json").read_text())["runs"][0]
-    assert saved["checks"]["counts"]["failed"] == 1 and "all_reduce.faulty" in saved["error"]
+        _assert_names_faulty_op(per_rank["faulty_message"], n)
 
 
 @pytest.mark.slow
@@ -342,9 +262,7 @@ def test_hung_collective_times_out_with_its_name(many):
 
 @pytest.mark.slow
 def test_small_benchmark_writes_outputs(many):
-    n, out_dir, results = many
-    if n != 2:
-        pytest.skip("benchmark runs in the 2-rank spawn only")
+    _, out_dir, results = many
     assert results[0]["bench_skipped"] == {}
     rows = json.loads((out_dir / "collectives_bench.json").read_text())["rows"]
     assert {r["op"] for r in rows} >= {"all_reduce", "ring_all_reduce", "all_gather", "reduce_scatter",
@@ -379,16 +297,23 @@ class _TinyModule(L.LightningModule):
 
 @pytest.mark.slow
 def test_callback_in_a_two_process_ddp_spawn_fit(tmp_path):
+    """Runs at setup, fit start and epoch end on the trainer's own group; logs, writes its JSON; the extra
+    check goes wrong on its third run (epoch end), which must stop the fit with a message naming it."""
     cb = CollectivesCheck(at=["setup", "fit_start"], every_n_epochs=1, benchmark=True, bench_sizes=["4KB"],
-                          bench_warmup=1, bench_iters=2)
+                          bench_warmup=1, bench_iters=2,
+                          extra_checks=[Check("all_reduce.faulty", workers.faulty_from_third_run)])
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, callbacks=[cb],
                         logger=CSVLogger(tmp_path), enable_progress_bar=False, enable_checkpointing=False,
                         enable_model_summary=False, default_root_dir=tmp_path)
-    trainer.fit(_TinyModule())
+    with pytest.raises(Exception, match="all_reduce.faulty") as failure:  # re-raised from the spawned rank
+        trainer.fit(_TinyModule())
+    _assert_names_faulty_op(str(failure.value), 2)
     log_dir = tmp_path / "lightning_logs" / "version_0"
     runs = json.loads((log_dir / "collectives.json").read_text())["runs"]
     assert [r["trigger"] for r in runs] == ["setup:fit", "fit_start", "epoch_end:0"]
-    assert all(r["checks"]["counts"]["failed"] == 0 and r["checks"]["world_size"] == 2 for r in runs)
+    assert [r["checks"]["counts"]["failed"] for r in runs] == [0, 0, 1]
+    assert "error" not in runs[1] and "all_reduce.faulty" in runs[2]["error"]
+    assert runs[1]["checks"]["world_size"] == 2 and runs[1]["metrics"]["comm/all_reduce/busbw_GBps"] > 0
     header = (log_dir / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"comm/check/passed", "comm/check/failed", "comm/all_reduce/busbw_GBps",
             "comm/ring_all_reduce/busbw_GBps"} <= set(header)
@@ -417,24 +342,11 @@ def test_entry_point_bad_option_is_one_line(tmp_path):
 
 # ====================================================================== GPU (skipped without CUDA)
 
-def _nccl_suite(rank: int, world_size: int, port: int) -> list[tuple[str, str, str]]:
-    """Swap the helper's gloo group for an nccl one (tensors on cuda:rank) and run the suite."""
-    torch.cuda.set_device(rank)
-    dist.destroy_process_group()
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    report = run_checks(timeout_s=60)
-    x = torch.arange(1 << 20, dtype=torch.float32, device=f"cuda:{rank}") * (rank + 1)
-    y = x.clone()
-    ring_all_reduce(x)
-    dist.all_reduce(y)
-    return [(r.op, r.status, r.reason) for r in report.results] + [("ring", str(torch.equal(x, y)), "")]
-
-
 @pytest.mark.gpu
 @pytest.mark.slow
 @requires_nccl
 @requires_2_gpus
 def test_suite_on_nccl():
-    for per_rank in run_workers(_nccl_suite, 2, find_free_port()):
+    for per_rank in run_workers(workers.nccl_suite, 2, find_free_port()):
         assert ("ring", "True", "") in per_rank
         assert all(status != FAILED for _, status, _ in per_rank), per_rank

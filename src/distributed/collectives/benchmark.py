@@ -7,8 +7,9 @@ the rank count. ``S`` is the full buffer: the all_reduce tensor, the all_gather 
 reduce_scatter *input*, the all_to_all buffer. ``memcpy`` (``Tensor.copy_`` of ``S`` bytes on every rank
 at once) is this machine's ceiling for the same sizes.
 
-Iterations of all ops are interleaved (op A, op B, ... then again), so slow phases of a shared machine hit
-every op alike; each iteration's time is the slowest rank's, and the median over iterations is reported.
+Iterations of all ops are interleaved (op A, op B, ... then again, in rotating order), so slow phases of a
+shared machine hit every op alike; each iteration's time is the slowest rank's, and the median over
+iterations is reported.
 """
 
 from __future__ import annotations
@@ -176,22 +177,26 @@ def benchmark_sweep(
 
 def _timed_interleaved(calls: dict[str, Callable[[], object]], iters: int, device: torch.device,
                        group) -> dict[str, float]:
-    """Median over iterations of the slowest rank's time, per op; ops take turns within each iteration."""
-    local = torch.zeros(len(calls), max(1, iters), dtype=torch.float64)
+    """Median over iterations of the slowest rank's time, per op. Ops take turns within each iteration, in an
+    order rotated every iteration, so no op always inherits the same predecessor's cache and socket state."""
+    names = list(calls)
+    local = torch.zeros(len(names), max(1, iters), dtype=torch.float64)
     for it in range(max(1, iters)):
-        for k, call in enumerate(calls.values()):
+        for j in range(len(names)):
+            k = (j + it) % len(names)
             dist.barrier(group=group)
             start = time.perf_counter()
-            call()
+            calls[names[k]]()
             synchronize(device)
             local[k, it] = time.perf_counter() - start
     dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)  # per-iteration time = slowest rank
-    return {name: statistics.median(local[k].tolist()) for k, name in enumerate(calls)}
+    return {name: statistics.median(local[k].tolist()) for k, name in enumerate(names)}
 
 
 def ring_ratio(rows: Sequence[BenchRow], min_bytes: int = 16 << 20) -> dict[int, float]:
-    """``{size: ring busbw / all_reduce busbw}`` for sizes of at least ``min_bytes``."""
+    """``{size: ring busbw / all_reduce busbw}`` for sizes of at least ``min_bytes`` (nominal: a size rounded
+    down to a multiple of the rank count still counts)."""
     by = {(r.op, r.size_bytes): r.busbw_GBps for r in rows}
     return {size: by[("ring_all_reduce", size)] / by[("all_reduce", size)]
-            for (op, size) in by if op == "all_reduce" and size >= min_bytes
+            for (op, size) in by if op == "all_reduce" and size >= 0.99 * min_bytes
             and ("ring_all_reduce", size) in by and by[("all_reduce", size)] > 0}

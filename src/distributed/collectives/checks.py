@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from src.distributed.collectives.runtime import (
     CollectiveError,
-    CollectiveTimeoutError,
     backend_name,
     call_with_timeout,
     comm_device,
@@ -125,7 +124,7 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "world_size": self.world_size, "seconds": self.seconds,
-                "counts": self.counts(), "results": [asdict(r) for r in self.results]}
+                "counts": self.counts(), "results": [{**asdict(r), "ok": r.ok} for r in self.results]}
 
     def raise_if_failed(self) -> None:
         """Raise :class:`CollectiveError` listing every failed op with its ranks and expected vs received."""
@@ -173,8 +172,8 @@ def make_context(timeout_s: float) -> CheckContext:
 
 
 def run_check(check: Check, ctx: CheckContext) -> CheckResult:
-    """Run one check on this rank. Timeouts propagate (the group is unusable afterwards); other errors
-    become a failed or skipped verdict."""
+    """Run one check on this rank. Timeouts and broken waits propagate (the group is unusable afterwards);
+    errors raised when launching become a skipped (backend limitation) or failed verdict."""
     ctx.name, ctx.ranks = check.name, list(range(ctx.world_size))
     if ctx.world_size < check.min_world:
         return CheckResult(check.name, SKIPPED, ctx.ranks, reason=f"needs at least {check.min_world} ranks")
@@ -182,7 +181,7 @@ def run_check(check: Check, ctx: CheckContext) -> CheckResult:
     try:
         outcome = check.run(ctx)
         synchronize(ctx.device)
-    except CollectiveTimeoutError:
+    except CollectiveError:  # timed out or broke the group: later checks cannot run
         raise
     except Exception as err:  # classify: backend limitation -> skipped, anything else -> failed
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]

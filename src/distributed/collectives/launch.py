@@ -50,6 +50,7 @@ class LaunchPlan:
     out_dir: str
     external: ExternalRanks | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # shown once before the ranks start
 
 
 def detect_external() -> ExternalRanks | None:
@@ -198,7 +199,11 @@ def plan_from_config(cfg: Any, out_dir: str | os.PathLike) -> LaunchPlan:
         options = validate_options(mode, conf)
     except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from None
-    return LaunchPlan(mode, backend, world_size, init_method, float(timeout_s), str(out_dir), external, options)
+    notes = []
+    if external is not None and nproc != world_size:
+        notes.append(f"nproc={nproc} ignored: {external.launcher} started {world_size} ranks")
+    return LaunchPlan(mode, backend, world_size, init_method, float(timeout_s), str(out_dir), external, options,
+                      notes)
 
 
 __all__ = ["MODES", "ExternalRanks", "LaunchPlan", "RankFailed", "check_init_method",

@@ -72,7 +72,7 @@ def write_csv(path: str | Path, rows: Sequence[BenchRow]) -> Path:
 
 
 def plot_busbw(rows: Sequence[BenchRow], path: str | Path) -> Path:
-    """busbw against message size (log x), one line per op; memcpy dashed as the ceiling."""
+    """busbw against message size (log x and y), one line per op; memcpy dashed as the ceiling."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never open a window (works on headless nodes)
@@ -89,6 +89,8 @@ def plot_busbw(rows: Sequence[BenchRow], path: str | Path) -> Path:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=op if op != MEMCPY else "memcpy (ceiling)",
                 **style)
     ax.set_xscale("log", base=2)
+    if all(r.busbw_GBps > 0 for r in rows):
+        ax.set_yscale("log")  # the memcpy ceiling is often 10x the ops: keep both readable
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     if rows:

@@ -65,16 +65,24 @@ def wait(work: Any, timeout_s: float, what: str, backend: str | None = None) -> 
         try:
             work.wait(timedelta(seconds=timeout_s))
         except RuntimeError as err:
-            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+            text = str(err).lower()
+            if "timed out" in text or "timeout" in text:
                 raise CollectiveTimeoutError(f"{what}: no completion within {timeout_s:g}s") from err
-            raise
+            raise CollectiveError(f"{what}: {_first_line(err)}") from err  # e.g. a peer went away
         return
     deadline = time.monotonic() + timeout_s
     while not work.is_completed():
         if time.monotonic() > deadline:
             raise CollectiveTimeoutError(f"{what}: no completion within {timeout_s:g}s")
         time.sleep(0.0005)
-    work.wait()
+    try:
+        work.wait()
+    except RuntimeError as err:
+        raise CollectiveError(f"{what}: {_first_line(err)}") from err
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -83,8 +91,12 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     A stuck call keeps its thread, but the caller stops waiting and can abort the run.
     """
     box: dict[str, Any] = {}
+    # The current CUDA device is per thread: carry the caller's over (nccl object collectives use it).
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def target() -> None:
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)
         try:
             box["value"] = fn()
         except BaseException as err:  # handed back to the caller's thread
