@@ -46,7 +46,7 @@ def busbw_factor(op: str, n: int) -> float:
         return (n - 1) / n
     if op in ("broadcast", "reduce", MEMCPY):
         return 1.0
-    raise ValueError(f"no bus-bandwidth factor for {op!r}")
+    raise ValueError(f"unknown benchmark op {op!r}; known: {', '.join((*DEFAULT_OPS, MEMCPY))}")
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,

@@ -18,7 +18,14 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from src.distributed.collectives.benchmark import DEFAULT_OPS, BenchRow, benchmark_sweep, format_size
+from src.distributed.collectives.benchmark import (
+    DEFAULT_OPS,
+    BenchRow,
+    benchmark_sweep,
+    busbw_factor,
+    format_size,
+    parse_size,
+)
 from src.distributed.collectives.checks import Check, CheckReport, run_checks
 from src.distributed.collectives.report import write_json
 from src.distributed.collectives.runtime import CollectiveError, is_distributed
@@ -74,6 +81,13 @@ class CollectivesCheck(Callback):
         self.benchmark = bool(benchmark)
         self.bench_sizes = [s if isinstance(s, int) else str(s) for s in _as_list(bench_sizes)]
         self.bench_ops = [str(o) for o in _as_list(bench_ops)]
+        try:  # fail at construction, not in the middle of training
+            for size in self.bench_sizes:
+                parse_size(size)
+            for op in self.bench_ops:
+                busbw_factor(op, 2)
+        except ValueError as err:
+            raise ConfigError(f"CollectivesCheck(bench_sizes/bench_ops): {err}") from None
         self.bench_warmup, self.bench_iters = int(bench_warmup), int(bench_iters)
         self.filename = filename
         self.extra_checks = list(extra_checks)
