@@ -79,6 +79,7 @@ def attainable_speedup(p: int, m: int, capacity: float) -> float:
     are busy; a slot lasts one stage-micro-batch time when they fit in ``capacity`` cores, longer
     in proportion when they must share. Equals :func:`ideal_speedup` when ``capacity >= p``.
     """
+    capacity = max(1.0, capacity)  # one process alone defines one core; less is noise from other jobs
     slots = [sum(0 <= k - s < m for s in range(p)) for k in range(m + p - 1)]
     return p * m / sum(max(1.0, busy / capacity) for busy in slots)
 
