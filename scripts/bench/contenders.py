@@ -1,0 +1,67 @@
+"""The commands each contender runs, and the environment they share.
+
+Every contender gets the same model, data, global batch, optimizer, epochs, step limit and torch
+thread count (``OMP_NUM_THREADS``/``MKL_NUM_THREADS``; each run records ``torch.get_num_threads()``).
+The project runs as a user runs it, ``python src/train.py`` with the default config (rich progress
+bar, CSV logger, checkpointing, epoch summary, metric plot, printed config tree); the only overrides
+are the epoch count, an optional per-epoch step limit, the run directory and the bench-only
+timeline callback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_CLUSTER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
+
+
+@dataclass(frozen=True)
+class Work:
+    """What every contender of one comparison does."""
+
+    epochs: int
+    limit_train_batches: int = 0  # steps per epoch; 0 = whole epochs
+    batch_size: int = 128  # global
+
+
+def env(threads: int) -> dict[str, str]:
+    """The environment of every contender: fixed thread count, a terminal type, no inherited rank variables."""
+    out = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
+    out.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TERM=out.get("TERM") or "xterm-256color",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if out["TERM"] == "dumb":
+        out["TERM"] = "xterm-256color"
+    return out
+
+
+def project(work: Work, prefix: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """``python src/train.py`` with its defaults, plus the bench timeline callback."""
+    cmd = [sys.executable, "src/train.py", f"trainer.max_epochs={work.epochs}", f"data.batch_size={work.batch_size}",
+           f"hydra.run.dir={run_dir}",
+           "+callbacks.bench_timer._target_=scripts.bench.step_timer.StepTimer",
+           f"+callbacks.bench_timer.prefix={prefix}", *overrides]
+    if work.limit_train_batches:
+        cmd.append(f"++trainer.limit_train_batches={work.limit_train_batches}")
+    return cmd
+
+
+def project_ddp(work: Work, prefix: Path, run_dir: Path, nproc: int) -> list[str]:
+    return project(work, prefix, run_dir, "trainer=ddp", f"trainer.devices={nproc}")
+
+
+def plain(work: Work, prefix: Path, data: str = "in_memory", workers: int = 0) -> list[str]:
+    """The plain PyTorch loop (``data="per_sample"``: torchvision's per-sample pipeline)."""
+    return [sys.executable, "-m", "scripts.bench.plain_loop", "--epochs", str(work.epochs),
+            "--batch-size", str(work.batch_size), "--limit-train-batches", str(work.limit_train_batches),
+            "--data", data, "--workers", str(workers), "--timeline", str(prefix)]
+
+
+def plain_ddp(work: Work, prefix: Path, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "scripts.bench.plain_ddp", "--nproc", str(nproc), "--epochs", str(work.epochs),
+            "--batch-size", str(work.batch_size), "--limit-train-batches", str(work.limit_train_batches),
+            "--threads", "0", "--timeline", str(prefix)]

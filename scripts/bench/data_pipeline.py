@@ -1,0 +1,59 @@
+"""Time the input pipelines alone (no model): how much of a training step is spent making the batch.
+
+The project's batch is one index op on uint8 tensors (``InMemoryDataset.__getitems__``) plus
+whole-batch normalization (``MNISTDataModule.transform_batch``, run by ``on_after_batch_transfer``);
+the per-sample pipeline builds each image through PIL, ``ToTensor`` and ``Normalize`` and collates.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from scripts.bench.contenders import ROOT
+
+
+def _ms_per_batch(batches, transform, count: int, skip: int = 2) -> float:
+    it = iter(batches)
+    for _ in range(skip):  # first batches include worker start-up
+        transform(next(it)[0])
+    start = time.perf_counter()
+    for _ in range(count):
+        transform(next(it)[0])
+    return 1e3 * (time.perf_counter() - start) / count
+
+
+def project_batch_ms(batch_size: int = 128, count: int = 200) -> float:
+    """ms to fetch and normalize one training batch with the project's Fashion-MNIST DataModule."""
+    from src.data.mnist_datamodule import MNISTDataModule
+
+    dm = MNISTDataModule(data_dir=str(ROOT / "data"), batch_size=batch_size, system_dir="/usr/share/datasets/fashion-mnist")
+    dm.prepare_data()
+    dm.setup("fit")
+    return _ms_per_batch(dm.train_dataloader(), lambda x: dm.transform_batch(x, training=True), count)
+
+
+def per_sample_batch_ms(workers: int, batch_size: int = 128, count: int = 100) -> float:
+    """ms per batch of torchvision's per-sample pipeline (transforms run inside the loader)."""
+    from scripts.bench.per_sample_pipeline import per_sample_loader
+
+    loader = per_sample_loader(str(ROOT / "data"), True, None, batch_size, workers, shuffle=True)
+    return _ms_per_batch(loader, lambda x: x, count)
+
+
+def ensure_data() -> None:
+    """Extract Fashion-MNIST into ``data/`` (as ``src/train.py`` would) so the plain scripts find it."""
+    from src.data.mnist_datamodule import MNISTDataModule
+
+    MNISTDataModule(data_dir=str(ROOT / "data"), system_dir="/usr/share/datasets/fashion-mnist").prepare_data()
+
+
+def in_threads(threads: int, fn, *args):
+    """Run ``fn`` with ``torch.set_num_threads(threads)``, restoring the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)

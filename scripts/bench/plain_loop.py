@@ -1,0 +1,156 @@
+"""Plain PyTorch training of the Fashion-MNIST MLP: the baseline the project is measured against.
+
+    python -m scripts.bench.plain_loop --epochs 3                      # in-memory batches
+    python -m scripts.bench.plain_loop --data per_sample --workers 2   # torchvision per-sample pipeline
+
+Same work as ``python src/train.py``: the same 55,000/5,000 train/val split (same seeded
+permutation), MLP 784-512-256-10 with dropout 0.1, Adam (lr 1e-3), batch 128 with the last
+incomplete batch dropped, validation after every epoch, test at the end. Train loss/accuracy are
+accumulated on tensors (no host sync per step), as careful plain code would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchvision.datasets.mnist import read_image_file, read_label_file
+
+from scripts.bench.per_sample_pipeline import FASHION_MEAN, FASHION_STD, per_sample_loader
+from scripts.bench.timeline import Timeline, rank_path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_split(data_dir: str, train: bool) -> tuple[Tensor, Tensor]:
+    """uint8 images ``(N, 1, 28, 28)`` and int64 labels from the IDX files the project extracts."""
+    raw = Path(data_dir) / "FashionMNIST" / "raw"
+    prefix = "train" if train else "t10k"
+    images = read_image_file(str(raw / f"{prefix}-images-idx3-ubyte")).unsqueeze(1)
+    labels = read_label_file(str(raw / f"{prefix}-labels-idx1-ubyte")).long()
+    return images, labels
+
+
+def train_val_indices(n: int, val_size: int, seed: int) -> tuple[Tensor, Tensor]:
+    """The project's split: a permutation seeded with ``seed``; the first ``val_size`` are validation."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return order[val_size:], order[:val_size]
+
+
+def build_mlp(hidden: tuple[int, ...] = (512, 256), dropout: float = 0.1, classes: int = 10) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = 28 * 28
+    for size in hidden:
+        layers += [nn.Linear(width, size), nn.ReLU(inplace=True), nn.Dropout(dropout)]
+        width = size
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+def normalize(images: Tensor) -> Tensor:
+    return (images.float().div_(255.0) - FASHION_MEAN[0]) / FASHION_STD[0]
+
+
+def in_memory_batches(x: Tensor, y: Tensor, batch: int, shuffle: bool, drop_last: bool) -> Iterator[tuple[Tensor, Tensor]]:
+    """Whole batches by one index op on the stored tensors, normalized per batch."""
+    order = torch.randperm(len(x)) if shuffle else torch.arange(len(x))
+    stop = len(x) - len(x) % batch if drop_last else len(x)
+    for start in range(0, stop, batch):
+        idx = order[start:start + batch]
+        yield normalize(x[idx]), y[idx]
+
+
+@torch.no_grad()
+def evaluate(net: nn.Module, batches) -> tuple[float, float]:
+    """(mean loss, accuracy) over all samples of ``batches``."""
+    net.eval()
+    loss_sum, correct, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long), 0
+    for xb, yb in batches:
+        out = net(xb)
+        loss_sum += F.cross_entropy(out, yb, reduction="sum").double()
+        correct += (out.argmax(1) == yb).sum()
+        count += len(yb)
+    net.train()
+    return float(loss_sum / count), float(correct) / count
+
+
+def make_batches(args, x: Tensor, y: Tensor, train: bool, dataset_train: bool, indices: Tensor | None):
+    """A fresh iterable of batches for one pass, from memory or from the per-sample pipeline."""
+    if args.data == "per_sample":
+        return per_sample_loader(args.data_dir, dataset_train, None if indices is None else indices.tolist(),
+                                 args.batch_size, args.workers, shuffle=train)
+    return _Reiterable(lambda: in_memory_batches(x, y, args.batch_size, shuffle=train, drop_last=train))
+
+
+class _Reiterable:
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def __iter__(self):
+        return self.make()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--limit-train-batches", type=int, default=0, help="steps per epoch (0 = whole epoch)")
+    parser.add_argument("--data", choices=("in_memory", "per_sample"), default="in_memory")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers of the per-sample pipeline")
+    parser.add_argument("--data-dir", default=str(ROOT / "data"))
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--timeline", default=None, help="write the bench timeline to <prefix>.rank0.json")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    timeline = Timeline(rank_path(args.timeline, 0)) if args.timeline else None
+    torch.manual_seed(args.seed)
+    x, y = load_split(args.data_dir, train=True)
+    train_idx, val_idx = train_val_indices(len(x), 5000, args.seed)
+    x_train, y_train, x_val, y_val = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
+    x_test, y_test = load_split(args.data_dir, train=False)
+
+    net = build_mlp()
+    optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)
+    train_batches = make_batches(args, x_train, y_train, True, True, train_idx)
+    val_batches = make_batches(args, x_val, y_val, False, True, val_idx)
+    for epoch in range(args.epochs):
+        if timeline:
+            timeline.epoch_start()
+        start = time.perf_counter()
+        loss_sum, correct, seen = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long), 0
+        for step, (xb, yb) in enumerate(train_batches):
+            if args.limit_train_batches and step == args.limit_train_batches:
+                break
+            out = net(xb)
+            loss = F.cross_entropy(out, yb)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach().double() * len(yb)
+            correct += (out.detach().argmax(1) == yb).sum()
+            seen += len(yb)
+            if timeline:
+                timeline.step_end(len(yb))
+        seconds = time.perf_counter() - start
+        val_loss, val_acc = evaluate(net, val_batches)
+        print(f"epoch {epoch}: {seconds:.2f} s, {seen / seconds:,.0f} samples/s  train/loss={float(loss_sum) / seen:.4f}"
+              f"  train/acc={float(correct) / seen:.4f}  val/loss={val_loss:.4f}  val/acc={val_acc:.4f}", flush=True)
+    test_loss, test_acc = evaluate(net, make_batches(args, x_test, y_test, False, False, None))
+    print(f"test/loss={test_loss:.4f}  test/acc={test_acc:.4f}", flush=True)
+    result = {"test/loss": test_loss, "test/acc": test_acc}
+    if timeline:
+        timeline.meta["test_metrics"] = result
+    return result
+
+
+if __name__ == "__main__":
+    main()

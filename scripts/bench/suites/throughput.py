@@ -1,0 +1,89 @@
+"""1 process: steady-state training samples/s of the project vs a plain loop vs the per-sample pipeline."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from scripts.bench import contenders, measure
+from scripts.bench.context import Bench, Goal, SuiteResult, best, median, ratio, show, spread
+from scripts.bench.data_pipeline import in_threads, per_sample_batch_ms, project_batch_ms
+from scripts.bench.report import bar_chart
+
+
+def run(bench: Bench) -> SuiteResult:
+    s = bench.settings
+    work = contenders.Work(epochs=s.epochs, limit_train_batches=s.limit_train_batches)
+    makers = {
+        "project": lambda prefix, run_dir: contenders.project(work, prefix, run_dir),
+        "plain loop": lambda prefix, run_dir: contenders.plain(work, prefix),
+        **{f"per-sample, {w} workers": partial(lambda w, prefix, run_dir: contenders.plain(work, prefix, "per_sample", w), w)
+           for w in s.workers},
+    }
+    runs: dict[str, list[measure.Run]] = {name: [] for name in makers}
+    for r in range(s.rounds):
+        print(f" round {r + 1}/{s.rounds}", flush=True)
+        for name, make in makers.items():
+            runs[name].append(bench.run(f"throughput-{_slug(name)}-r{r}", make))
+
+    def per_round(fn, name):
+        return [fn(run) if run.ok else None for run in runs[name]]
+
+    tput = {name: per_round(measure.steady_throughput, name) for name in makers}
+    top = {name: best(v) for name, v in tput.items()}
+    paired = [ratio(p, q) for p, q in zip(tput["project"], tput["plain loop"], strict=True)]
+    result = SuiteResult("throughput", "Training throughput, 1 process (steady state)")
+    result.columns = ["contender", "threads", "samples/s best", "vs plain loop", "samples/s median (min-max)",
+                      "ms/step", "epoch s (train+val)", "peak RSS MiB"]
+    for name in makers:
+        ok = [run for run in runs[name] if run.ok]
+        if not ok:
+            result.rows.append([name, "-", "failed", "-", "-", "-", "-", "-"])
+            result.notes.append(runs[name][0].error())
+            continue
+        result.rows.append([
+            name, str(measure.threads(ok[0])[0]), f"{top[name]:,.0f}", show(ratio(top[name], top["plain loop"]), "{:.3f}x"),
+            spread(tput[name]), f"{work.batch_size / top[name] * 1e3:.2f}",
+            spread([measure.epoch_wall_s(run) for run in ok]), spread([measure.peak_rss_mb(run)[0] for run in ok]),
+        ])
+
+    # The input pipeline alone, in this process with the same thread count.
+    data_ms = in_threads(s.threads, project_batch_ms)
+    per_sample_ms = {w: in_threads(s.threads, per_sample_batch_ms, w) for w in s.workers}
+    project_step_ms = work.batch_size / top["project"] * 1e3 if top["project"] else None
+    share = data_ms / project_step_ms if project_step_ms else None
+    speedup = ratio(top["project"], max((top[n] or 0 for n in makers if n.startswith("per-sample")), default=0))
+
+    vs_plain = ratio(top["project"], top["plain loop"])
+    result.goals = [
+        Goal("project >= 0.97x plain loop (defaults: progress bar, logging on)",
+             f"{vs_plain:.3f}x (paired median {median(paired):.3f}x)" if vs_plain and median(paired) else "-",
+             vs_plain >= 0.97 if vs_plain else None),
+        Goal("input pipeline <= 10% of the project's step time",
+             f"{data_ms:.3f} ms of {project_step_ms:.2f} ms = {100 * share:.1f}%" if share else "-",
+             share <= 0.10 if share else None),
+        Goal("project epoch >= 3x faster than the per-sample pipeline (its best worker count)",
+             f"{speedup:.1f}x" if speedup else "-", speedup >= 3 if speedup else None),
+    ]
+    result.notes.append(
+        f"Input pipeline alone: project {data_ms:.3f} ms/batch; per-sample "
+        + ", ".join(f"{w} workers {ms:.2f} ms/batch" for w, ms in per_sample_ms.items()) + ".")
+    result.notes.append(
+        f"Steady state: epochs 2..{s.epochs} of each run (epoch 1 is warm-up), each epoch from its start to its "
+        f"last optimizer step; {'whole epochs' if not s.limit_train_batches else f'{s.limit_train_batches} steps/epoch'}"
+        f", global batch {work.batch_size}; {s.rounds} rounds, contenders alternating. Ratios compare each contender's "
+        "best round; the paired median is the median over rounds of project/plain in the same round.")
+    result.notes.append(bench.noise_note([run for v in runs.values() for run in v]))
+    result.raw = {"samples_per_s": tput, "project_over_plain_paired": paired,
+                  "other_load": {n: per_round(lambda r: r.other_load, n) for n in makers}, "data_ms_per_batch": data_ms,
+                  "per_sample_ms_per_batch": per_sample_ms, "data_share_of_step": share,
+                  "speedup_over_per_sample": speedup,
+                  "peak_rss_mb": {n: per_round(lambda r: measure.peak_rss_mb(r)[0], n) for n in makers}}
+    plot = bench.out / "throughput.png"
+    bar_chart(plot, {n: v or 0 for n, v in top.items()}, "samples/s (steady state, best round)",
+              "Training throughput, 1 process", reference="plain loop")
+    result.plots.append(plot.name)
+    return result
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").replace("--", "-")

@@ -1,0 +1,74 @@
+"""Per-process record of one training run: when each epoch and step ended, threads and peak memory.
+
+Every contender (the project through :class:`scripts.bench.step_timer.StepTimer`, the plain scripts
+directly) writes the same record, so the harness measures the same span for all of them. Stamps are
+``time.perf_counter()`` except ``first_step_unix`` (``time.time()``), which the harness compares with
+its own launch time to get the start-up cost. The file is written at interpreter exit, so the peak
+RSS covers the whole run (fit and test).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB (Linux reports ``ru_maxrss`` in KiB)."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024 if sys.platform != "darwin" else kib / 2**20
+
+
+class Timeline:
+    """Collects epoch starts and step ends; ``dump`` (also run at exit) writes them as JSON to ``path``."""
+
+    def __init__(self, path: str | os.PathLike, rank: int = 0) -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self.epochs: list[dict] = []
+        self.first_step_unix: float | None = None
+        self.meta: dict = {}
+        self._written = False
+        atexit.register(self.dump)
+
+    def epoch_start(self) -> None:
+        self.epochs.append({"start": time.perf_counter(), "steps": [], "samples": 0})
+
+    def step_end(self, samples: int) -> None:
+        """Call after the optimizer step of each training batch; ``samples`` this process trained on."""
+        now = time.perf_counter()
+        if self.first_step_unix is None:
+            self.first_step_unix = time.time()
+        epoch = self.epochs[-1]
+        epoch["steps"].append(now)
+        epoch["samples"] += samples
+
+    def dump(self) -> None:
+        if self._written:
+            return
+        self._written = True
+        import torch  # already imported by every contender
+
+        record = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "argv": sys.argv,
+            "threads": torch.get_num_threads(),
+            "first_step_unix": self.first_step_unix,
+            "exit_unix": time.time(),
+            "peak_rss_mb": peak_rss_mb(),
+            "epochs": self.epochs,
+            **self.meta,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(record))
+
+
+def rank_path(prefix: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` of a run writes its timeline: ``<prefix>.rank<r>.json``."""
+    return Path(f"{prefix}.rank{rank}.json")
