@@ -11,7 +11,7 @@ STAMP := .make/installed
 
 .DEFAULT_GOAL := help
 .PHONY: help install train train-ddp train-ddp-spawn train-dp train-pipeline train-torchrun test test-fast test-slow \
-        lint format clean synthetic-cifar10 gpu-check train-gpu-ddp train-multinode
+        lint format clean synthetic-cifar10 gpu-check train-gpu-ddp train-multinode bench bench-full
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -54,6 +54,12 @@ lint: $(STAMP) ## Check style with ruff
 
 format: $(STAMP) ## Fix import order and simple style issues with ruff
 	$(PYTHON) -m ruff check --fix .
+
+bench: $(STAMP) ## Benchmarks, quick (a few min): project vs plain PyTorch -> bench_results/<time>/ (ARGS="--suite throughput")
+	$(PYTHON) -m scripts.bench $(ARGS)
+
+bench-full: $(STAMP) ## Benchmarks, full settings: whole epochs, 3 rounds, 10-epoch accuracy (about 15-20 min)
+	$(PYTHON) -m scripts.bench --full $(ARGS)
 
 synthetic-cifar10: $(STAMP) ## Write SYNTHETIC CIFAR-10 files (real format) to data/synthetic_cifar10
 	$(PYTHON) scripts/make_synthetic_cifar10.py --out data/synthetic_cifar10
