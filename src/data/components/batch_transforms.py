@@ -7,6 +7,7 @@ here as one gather with per-sample offsets.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -20,11 +21,17 @@ def to_unit_float(images: Tensor) -> Tensor:
 
 
 def normalize(images: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
-    """Per-channel ``(x - mean) / std`` for an ``(N, C, H, W)`` float batch."""
+    """Per-channel ``(x - mean) / std`` for an ``(N, C, H, W)`` float batch (a new tensor; ``images`` is kept)."""
+    mean_t, std_t = _channel_stats(tuple(mean), tuple(std), images.dtype, images.device)
+    return images.sub(mean_t).div_(std_t)
+
+
+@functools.lru_cache(maxsize=32)
+def _channel_stats(mean: tuple, std: tuple, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``mean`` and ``std`` as ``(1, C, 1, 1)`` tensors, built once per dtype/device instead of on every batch."""
     shape = (1, -1, 1, 1)
-    mean_t = torch.as_tensor(mean, dtype=images.dtype, device=images.device).view(shape)
-    std_t = torch.as_tensor(std, dtype=images.dtype, device=images.device).view(shape)
-    return (images - mean_t) / std_t
+    return (torch.as_tensor(mean, dtype=dtype, device=device).view(shape),
+            torch.as_tensor(std, dtype=dtype, device=device).view(shape))
 
 
 def random_crop(images: Tensor, padding: int) -> Tensor:
