@@ -34,6 +34,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--accuracy-epochs", type=int)
     parser.add_argument("--threads", type=int, default=cpu_count(), help="torch threads per single process")
     parser.add_argument("--workers", default="0,2", help="DataLoader workers tried for the per-sample pipeline")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="global batch of the throughput and DDP runs (default: the config's, 128)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the DDP and collectives comparisons")
     parser.add_argument("--no-tty", action="store_true", help="pipe the contenders' output instead of a terminal")
     parser.add_argument("--quiet-wait", type=float, default=20.0,
@@ -49,12 +51,14 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     pick = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
     if pick["epochs"] < 2:
         parser.error("--epochs must be >= 2: the first epoch is warm-up and not measured")
-    if min(pick["rounds"], pick["accuracy_epochs"], args.threads, args.nproc) < 1:
-        parser.error("--rounds, --accuracy-epochs, --threads and --nproc must be >= 1")
+    if min(pick["rounds"], pick["accuracy_epochs"], args.threads, args.nproc, args.batch_size or 1) < 1:
+        parser.error("--rounds, --accuracy-epochs, --threads, --nproc and --batch-size must be >= 1")
+    if args.batch_size and args.batch_size % args.nproc:
+        parser.error(f"--batch-size {args.batch_size} must divide evenly across --nproc {args.nproc} ranks")
     workers = tuple(int(w) for w in args.workers.split(",") if w.strip())
     args.suite = chosen
     return args, Settings(**pick, threads=args.threads, workers=workers, nproc=args.nproc, tty=not args.no_tty,
-                          full=args.full, quiet_wait=args.quiet_wait)
+                          full=args.full, quiet_wait=args.quiet_wait, batch_size=args.batch_size)
 
 
 def header(argv: list[str]) -> dict:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_BATCH = 128  # configs/data/fashion_mnist.yaml
 _CLUSTER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
 
@@ -26,7 +27,11 @@ class Work:
 
     epochs: int
     limit_train_batches: int = 0  # steps per epoch; 0 = whole epochs
-    batch_size: int = 128  # global
+    batch_size: int | None = None  # global; None = the project config's (128)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size or DEFAULT_BATCH
 
 
 def env(threads: int) -> dict[str, str]:
@@ -41,10 +46,11 @@ def env(threads: int) -> dict[str, str]:
 
 def project(work: Work, prefix: Path, run_dir: Path, *overrides: str) -> list[str]:
     """``python src/train.py`` with its defaults, plus the bench timeline callback."""
-    cmd = [sys.executable, "src/train.py", f"trainer.max_epochs={work.epochs}", f"data.batch_size={work.batch_size}",
-           f"hydra.run.dir={run_dir}",
+    cmd = [sys.executable, "src/train.py", f"trainer.max_epochs={work.epochs}", f"hydra.run.dir={run_dir}",
            "+callbacks.bench_timer._target_=scripts.bench.step_timer.StepTimer",
            f"+callbacks.bench_timer.prefix={prefix}", *overrides]
+    if work.batch_size:
+        cmd.append(f"data.batch_size={work.batch_size}")
     if work.limit_train_batches:
         cmd.append(f"++trainer.limit_train_batches={work.limit_train_batches}")
     return cmd
@@ -57,11 +63,11 @@ def project_ddp(work: Work, prefix: Path, run_dir: Path, nproc: int) -> list[str
 def plain(work: Work, prefix: Path, data: str = "in_memory", workers: int = 0) -> list[str]:
     """The plain PyTorch loop (``data="per_sample"``: torchvision's per-sample pipeline)."""
     return [sys.executable, "-m", "scripts.bench.plain_loop", "--epochs", str(work.epochs),
-            "--batch-size", str(work.batch_size), "--limit-train-batches", str(work.limit_train_batches),
+            "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),
             "--data", data, "--workers", str(workers), "--timeline", str(prefix)]
 
 
 def plain_ddp(work: Work, prefix: Path, nproc: int) -> list[str]:
     return [sys.executable, "-m", "scripts.bench.plain_ddp", "--nproc", str(nproc), "--epochs", str(work.epochs),
-            "--batch-size", str(work.batch_size), "--limit-train-batches", str(work.limit_train_batches),
+            "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),
             "--threads", "0", "--timeline", str(prefix)]

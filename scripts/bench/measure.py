@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import pty
+import resource
 import signal
 import statistics
 import struct
@@ -42,7 +43,9 @@ class Run:
     log: Path
     timelines: list[dict] = field(default_factory=list)
     cpu_s: float = 0.0  # CPU time of the contender's processes (user + system)
-    other_load: float = 0.0  # mean cores busy with other processes during the run: > ~0.2 means a noisy run
+    # Mean cores busy with other processes during the run (> ~0.2: a disturbed run). Ranks that the
+    # contender starts but never waits for (Lightning's DDP launcher) count here too.
+    other_load: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -59,12 +62,13 @@ def run(name: str, cmd: list[str], prefix: Path, log: Path, env: dict[str, str],
     log.parent.mkdir(parents=True, exist_ok=True)
     for rank in range(world_size):
         rank_path(prefix, rank).unlink(missing_ok=True)
-    busy_before = system_busy_s()
+    busy_before, own_before = system_busy_s(), _own_cpu_s()
     launch = time.time()
     start = time.perf_counter()
     code, cpu = _run_tty(cmd, log, env, cwd, timeout) if tty else _run_pipe(cmd, log, env, cwd, timeout)
     wall = time.perf_counter() - start
-    other = max(0.0, (system_busy_s() - busy_before - cpu) / wall)
+    # Everything busy that was neither the contender nor this harness (which drains the terminal).
+    other = max(0.0, (system_busy_s() - busy_before - cpu - (_own_cpu_s() - own_before)) / wall)
     timelines = [json.loads(p.read_text()) for r in range(world_size) if (p := rank_path(prefix, r)).exists()]
     return Run(name, cmd, launch, wall, code, log, timelines if len(timelines) == world_size else [], cpu, other)
 
@@ -77,6 +81,11 @@ def system_busy_s() -> float:
         return 0.0
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def wait_until_quiet(max_wait: float, threshold: float = 0.3, interval: float = 1.0) -> float:

@@ -34,6 +34,7 @@ class Timeline:
         self.first_step_unix: float | None = None
         self.meta: dict = {}
         self._written = False
+        self._pid = os.getpid()
         atexit.register(self.dump)
 
     def epoch_start(self) -> None:
@@ -49,7 +50,7 @@ class Timeline:
         epoch["samples"] += samples
 
     def dump(self) -> None:
-        if self._written:
+        if self._written or os.getpid() != self._pid:  # a forked child (e.g. a DataLoader worker) never writes
             return
         self._written = True
         import torch  # already imported by every contender

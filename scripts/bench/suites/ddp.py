@@ -10,7 +10,7 @@ from scripts.bench.report import bar_chart
 def run(bench: Bench) -> SuiteResult:
     s = bench.settings
     n = s.nproc
-    work = contenders.Work(epochs=s.epochs, limit_train_batches=s.limit_train_batches)
+    work = contenders.Work(epochs=s.epochs, limit_train_batches=s.limit_train_batches, batch_size=s.batch_size)
     threads_per_rank = max(1, s.threads // n)
     makers = {  # name -> (command builder, ranks, threads per process)
         f"project ddp x{n}": (lambda prefix, run_dir: contenders.project_ddp(work, prefix, run_dir, n), n, threads_per_rank),
@@ -30,7 +30,7 @@ def run(bench: Bench) -> SuiteResult:
     overall = {name: values(lambda run: measure.train_samples(run) / run.wall_s, name) for name in makers}
     project, plain = f"project ddp x{n}", f"plain DDP x{n}"
     top = {name: best(v) for name, v in steady.items()}
-    result = SuiteResult("ddp", f"DDP, {n} processes on gloo (global batch {work.batch_size})")
+    result = SuiteResult("ddp", f"DDP, {n} processes on gloo (global batch {work.global_batch})")
     result.columns = ["contender", "threads/rank", "samples/s steady (best)", "vs plain DDP", "steady median (min-max)",
                       "samples/s incl. start-up",
                       "to first step s", "peak RSS MiB per rank"]
@@ -51,7 +51,7 @@ def run(bench: Bench) -> SuiteResult:
     result.goals = [Goal(f"project ddp >= 0.97x plain DDP script (steady state, {n} ranks)",
                          show(vs_plain, "{:.3f}x"), vs_plain >= 0.97 if vs_plain else None)]
     result.notes.append(
-        f"Each rank trains {work.batch_size // n} samples per step ({threads_per_rank} torch thread(s) per rank, "
+        f"Each rank trains {work.global_batch // n} samples per step ({threads_per_rank} torch thread(s) per rank, "
         f"{n} ranks on {s.threads} cores); 'incl. start-up' divides all trained samples by the launch-to-exit wall "
         "time (which also holds validation and test). Steady state as in the throughput suite; ratios compare best rounds.")
     result.notes.append(bench.noise_note([run for v in runs.values() for run in v]))

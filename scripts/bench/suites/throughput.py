@@ -12,7 +12,7 @@ from scripts.bench.report import bar_chart
 
 def run(bench: Bench) -> SuiteResult:
     s = bench.settings
-    work = contenders.Work(epochs=s.epochs, limit_train_batches=s.limit_train_batches)
+    work = contenders.Work(epochs=s.epochs, limit_train_batches=s.limit_train_batches, batch_size=s.batch_size)
     makers = {
         "project": lambda prefix, run_dir: contenders.project(work, prefix, run_dir),
         "plain loop": lambda prefix, run_dir: contenders.plain(work, prefix),
@@ -31,7 +31,7 @@ def run(bench: Bench) -> SuiteResult:
     tput = {name: per_round(measure.steady_throughput, name) for name in makers}
     top = {name: best(v) for name, v in tput.items()}
     paired = [ratio(p, q) for p, q in zip(tput["project"], tput["plain loop"], strict=True)]
-    result = SuiteResult("throughput", "Training throughput, 1 process (steady state)")
+    result = SuiteResult("throughput", f"Training throughput, 1 process, batch {work.global_batch} (steady state)")
     result.columns = ["contender", "threads", "samples/s best", "vs plain loop", "samples/s median (min-max)",
                       "ms/step", "epoch s (train+val)", "peak RSS MiB"]
     for name in makers:
@@ -42,14 +42,14 @@ def run(bench: Bench) -> SuiteResult:
             continue
         result.rows.append([
             name, str(measure.threads(ok[0])[0]), f"{top[name]:,.0f}", show(ratio(top[name], top["plain loop"]), "{:.3f}x"),
-            spread(tput[name]), f"{work.batch_size / top[name] * 1e3:.2f}",
+            spread(tput[name]), f"{work.global_batch / top[name] * 1e3:.2f}",
             spread([measure.epoch_wall_s(run) for run in ok]), spread([measure.peak_rss_mb(run)[0] for run in ok]),
         ])
 
     # The input pipeline alone, in this process with the same thread count.
-    data_ms = in_threads(s.threads, project_batch_ms)
-    per_sample_ms = {w: in_threads(s.threads, per_sample_batch_ms, w) for w in s.workers}
-    project_step_ms = work.batch_size / top["project"] * 1e3 if top["project"] else None
+    data_ms = in_threads(s.threads, project_batch_ms, work.global_batch)
+    per_sample_ms = {w: in_threads(s.threads, per_sample_batch_ms, w, work.global_batch) for w in s.workers}
+    project_step_ms = work.global_batch / top["project"] * 1e3 if top["project"] else None
     share = data_ms / project_step_ms if project_step_ms else None
     speedup = ratio(top["project"], max((top[n] or 0 for n in makers if n.startswith("per-sample")), default=0))
 
@@ -70,7 +70,7 @@ def run(bench: Bench) -> SuiteResult:
     result.notes.append(
         f"Steady state: epochs 2..{s.epochs} of each run (epoch 1 is warm-up), each epoch from its start to its "
         f"last optimizer step; {'whole epochs' if not s.limit_train_batches else f'{s.limit_train_batches} steps/epoch'}"
-        f", global batch {work.batch_size}; {s.rounds} rounds, contenders alternating. Ratios compare each contender's "
+        f", global batch {work.global_batch}; {s.rounds} rounds, contenders alternating. Ratios compare each contender's "
         "best round; the paired median is the median over rounds of project/plain in the same round.")
     result.notes.append(bench.noise_note([run for v in runs.values() for run in v]))
     result.raw = {"samples_per_s": tput, "project_over_plain_paired": paired,
