@@ -15,6 +15,7 @@ from scripts.bench.contenders import ROOT
 
 
 def _ms_per_batch(batches, transform, count: int, skip: int = 2) -> float:
+    count = max(1, min(count, len(batches) - skip))  # large batches: fewer per epoch
     it = iter(batches)
     for _ in range(skip):  # first batches include worker start-up
         transform(next(it)[0])
