@@ -28,7 +28,7 @@ class RegressionModule(StepModule):
         loss = out["loss"]
         loss_metric = getattr(self, f"{stage}_loss")
         loss_metric.update(loss, out["target"].shape[0])
-        self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
+        self.log_epoch_metric(f"{stage}/loss", loss_metric)
         return loss
 
     def on_train_start(self) -> None:
