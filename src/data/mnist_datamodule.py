@@ -11,7 +11,7 @@ from torchvision import datasets
 from torchvision.datasets.mnist import read_image_file, read_label_file
 from torchvision.datasets.utils import extract_archive
 
-from src.data.components.batch_transforms import normalize, to_unit_float
+from src.data.components.batch_transforms import normalize, random_crop, random_hflip, to_unit_float
 from src.data.in_memory_datamodule import InMemoryDataModule
 from src.utils.errors import DataError
 
@@ -48,6 +48,7 @@ class MNISTDataModule(InMemoryDataModule):
         channels: int | None = None,
         image_size: int | None = None,
         num_classes: int | None = None,
+        augment: bool = False,
     ) -> None:
         if dataset not in _DATASETS:
             raise DataError(f"unknown data.dataset={dataset!r}; choose one of {sorted(_DATASETS)}")
@@ -109,7 +110,12 @@ class MNISTDataModule(InMemoryDataModule):
         return images.unsqueeze(1).contiguous(), labels.long()
 
     def transform_batch(self, inputs: Tensor, training: bool) -> Tensor:
-        return normalize(to_unit_float(inputs), self.mean, self.std)
+        images = to_unit_float(inputs)
+        if training and self.hparams.augment:
+            images = random_crop(images, padding=2)
+            if self.hparams.dataset == "fashion_mnist":  # clothing is left-right symmetric; digits are not
+                images = random_hflip(images)
+        return normalize(images, self.mean, self.std)
 
 
 def _read(reader, path: Path) -> Tensor:

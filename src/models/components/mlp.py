@@ -22,6 +22,7 @@ class MLP(nn.Sequential):
         hidden_sizes: Sequence[int] = (512, 256),
         num_classes: int = 10,
         dropout: float = 0.1,
+        batch_norm: bool = False,
     ) -> None:
         if not hidden_sizes:
             raise ValueError("MLP needs at least one hidden layer: set model.net.hidden_sizes, e.g. [512, 256]")
@@ -29,7 +30,10 @@ class MLP(nn.Sequential):
         width = in_channels * image_size * image_size
         for i, size in enumerate(hidden_sizes):
             layers = [nn.Flatten()] if i == 0 else []
-            layers += [nn.Linear(width, size), nn.ReLU(inplace=True)]
+            layers.append(nn.Linear(width, size, bias=not batch_norm))  # BatchNorm's shift replaces the bias
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(size))
+            layers.append(nn.ReLU(inplace=True))
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
             blocks[f"fc{i}"] = nn.Sequential(*layers)
