@@ -1,0 +1,45 @@
+"""Lightning's rich progress bar, updated at its refresh rate instead of on every training batch."""
+
+from __future__ import annotations
+
+import time
+
+from lightning import LightningModule, Trainer
+from lightning.pytorch.callbacks import RichProgressBar
+
+
+class RateLimitedRichProgressBar(RichProgressBar):
+    """``RichProgressBar`` whose training bar takes at most ``refresh_rate`` updates per second.
+
+    Lightning's bar already redraws only ``refresh_rate`` times a second, but it still updates the
+    task and recomputes the shown metrics on every batch: ~40 us per step, ~1% of a Fashion-MNIST
+    MLP step on 2 CPU cores. Skipped updates lose nothing: each update sets the absolute position,
+    and the last skipped one is applied when the epoch ends.
+    """
+
+    def __init__(self, refresh_rate: int = 4, **kwargs) -> None:
+        super().__init__(refresh_rate=refresh_rate, **kwargs)
+        self._next_update = 0.0
+        self._pending_batch_idx: int | None = None
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._next_update = 0.0
+        self._pending_batch_idx = None
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        now = time.monotonic()
+        if now < self._next_update:
+            self._pending_batch_idx = batch_idx
+            return
+        self._next_update = now + 1.0 / max(self.refresh_rate, 1)
+        self._pending_batch_idx = None
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._pending_batch_idx is not None:  # the parent ignores outputs and batch
+            super().on_train_batch_end(trainer, pl_module, None, None, self._pending_batch_idx)
+            self._pending_batch_idx = None
+        super().on_train_epoch_end(trainer, pl_module)
