@@ -1,0 +1,87 @@
+"""The project's callbacks and speed-related module behaviour, in short real fits."""
+
+from __future__ import annotations
+
+import pytest
+from lightning import Callback
+from lightning.pytorch.callbacks import RichProgressBar
+from torch import nn
+
+import src.train as entry
+from src.callbacks.progress_bar import RateLimitedRichProgressBar
+from src.models.components.mlp import MLP
+from src.train import train
+
+
+class _BarProbe(Callback):
+    """Records where the training bar stands at each epoch end (runs after the bar's own hook)."""
+
+    def __init__(self) -> None:
+        self.completed: list[float] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        bar = trainer.progress_bar_callback
+        self.completed.append(bar.progress.tasks[bar.train_progress_bar_id].completed)
+
+
+def test_rate_limited_bar_skips_updates_but_ends_each_epoch_at_the_total(make_cfg, monkeypatch):
+    cfg = make_cfg(
+        "train", ["trainer.max_epochs=2", "test=false", "callbacks.rich_progress_bar.refresh_rate=1"]
+    )
+    calls = []  # batch_idx of every update that reached Lightning's bar
+    parent = RichProgressBar.on_train_batch_end
+    monkeypatch.setattr(
+        RichProgressBar, "on_train_batch_end", lambda self, *a: (calls.append(a[-1]), parent(self, *a))
+    )
+    probe = _BarProbe()
+    real = entry.instantiate_callbacks
+    monkeypatch.setattr(entry, "instantiate_callbacks", lambda c: [*real(c), probe])
+    _, objects = train(cfg)
+    assert isinstance(objects["trainer"].progress_bar_callback, RateLimitedRichProgressBar)
+    assert probe.completed == [8, 8]  # 8 batches per epoch (limit_train_batches)
+    # One update per second at most: the first batch of each epoch and the epoch's end, not all 16.
+    assert len(calls) < 16
+    assert calls.count(7) == 2
+
+
+def test_step_module_setattr_fast_path_keeps_module_semantics(make_cfg):
+    import hydra
+
+    model = hydra.utils.instantiate(make_cfg("train").model)
+    model._current_fx_name = "training_step"
+    assert model._current_fx_name == "training_step" and "_current_fx_name" not in model._modules
+    model.extra = nn.Linear(2, 2)  # other attributes still go through nn.Module registration
+    assert "extra" in model._modules and any(n.startswith("extra.") for n, _ in model.named_parameters())
+
+
+def test_mlp_batch_norm_replaces_the_hidden_bias():
+    plain, normed = MLP(hidden_sizes=[32, 16]), MLP(hidden_sizes=[32, 16], batch_norm=True)
+    assert sum(isinstance(m, nn.BatchNorm1d) for m in normed.modules()) == 2
+    assert not any(isinstance(m, nn.BatchNorm1d) for m in plain.modules())
+    assert normed.fc0[1].bias is None and plain.fc0[1].bias is not None
+
+
+@pytest.mark.parametrize("dataset", ["fashion_mnist", "mnist"])
+def test_mnist_augmentation_shifts_and_flips_only_training_batches(dataset):
+    import torch
+
+    from src.data.mnist_datamodule import MNISTDataModule
+
+    torch.manual_seed(0)
+    dm = MNISTDataModule(dataset=dataset, augment=True)
+    images = torch.randint(1, 256, (64, 1, 28, 28), dtype=torch.uint8)
+    plain = MNISTDataModule(dataset=dataset).transform_batch(images, training=True)
+    assert torch.equal(dm.transform_batch(images, training=False), plain)  # evaluation is never augmented
+    out = dm.transform_batch(images, training=True)
+    assert out.shape == plain.shape and not torch.equal(out, plain)
+
+    background = dm.transform_batch(torch.zeros(1, 1, 1, 1, dtype=torch.uint8), training=False)  # the padding
+    padded = torch.nn.functional.pad(plain, (2, 2, 2, 2), value=float(background))
+    crops = [padded[:, :, dy : dy + 28, dx : dx + 28] for dy in range(5) for dx in range(5)]
+    shifted = torch.stack([torch.isclose(out, c).flatten(1).all(1) for c in crops]).any(0)
+    flipped = torch.stack([torch.isclose(out, c.flip(3)).flatten(1).all(1) for c in crops]).any(0)
+    assert bool((shifted | flipped).all())  # every image is a shift of the original or of its mirror
+    if dataset == "fashion_mnist":
+        assert int((flipped & ~shifted).sum()) > 0
+    else:
+        assert not bool((flipped & ~shifted).any())  # digits are never mirrored
