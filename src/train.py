@@ -29,7 +29,11 @@ from src.strategies.checks import check_trainer_config  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
 from src.utils.config_checks import check_batch_size, check_model_data_pair, check_no_earlier_checkpoints  # noqa: E402
 from src.utils.hydra_launch import isolated_job, patch_lightning_launcher  # noqa: E402
-from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
+from src.utils.instantiators import (  # noqa: E402
+    drop_callbacks_needing_a_logger,
+    instantiate_callbacks,
+    instantiate_loggers,
+)
 from src.utils.pylogger import RankedLogger  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
 from src.utils.task import extras, get_metric_value, task_wrapper  # noqa: E402
@@ -58,8 +62,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     if cfg.get("ckpt_path"):
         check_checkpoint(cfg.ckpt_path, model)
-    callbacks = instantiate_callbacks(cfg.get("callbacks"))
     loggers = instantiate_loggers(cfg.get("logger"))
+    callbacks = drop_callbacks_needing_a_logger(instantiate_callbacks(cfg.get("callbacks")), loggers)
     log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     check_batch_size(datamodule, trainer)  # before any process is launched

@@ -85,3 +85,14 @@ def test_mnist_augmentation_shifts_and_flips_only_training_batches(dataset):
         assert int((flipped & ~shifted).sum()) > 0
     else:
         assert not bool((flipped & ~shifted).any())  # digits are never mirrored
+
+
+def test_logger_none_trains_without_the_lr_monitor(make_cfg):
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    metrics, objects = train(make_cfg("train", ["logger=none"]))
+    trainer = objects["trainer"]
+    assert trainer.loggers == [] and trainer.global_step == 8 and "test/acc" in metrics
+    assert not any(isinstance(cb, LearningRateMonitor) for cb in trainer.callbacks)
+    with_logger = train(make_cfg("train", ["test=false"], subdir="csv"))[1]["trainer"]
+    assert any(isinstance(cb, LearningRateMonitor) for cb in with_logger.callbacks)  # kept when there is one

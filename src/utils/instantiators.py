@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import hydra
 from lightning import Callback
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
 from src.utils.errors import ConfigError
+from src.utils.pylogger import RankedLogger
+
+log = RankedLogger(__name__)
 
 
 def instantiate_group(cfg: DictConfig | None, kind: type, group: str) -> list:
@@ -32,3 +36,13 @@ def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:
 
 def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
     return instantiate_group(cfg, Logger, "logger")
+
+
+def drop_callbacks_needing_a_logger(callbacks: list[Callback], loggers: list[Logger]) -> list[Callback]:
+    """Leave out ``LearningRateMonitor`` when there is no logger (``logger=none``): it refuses to start without one."""
+    if loggers:
+        return callbacks
+    kept = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
+    if len(kept) < len(callbacks):
+        log.info("No logger (logger=none): the learning-rate monitor is left out; it needs a logger")
+    return kept
