@@ -55,12 +55,14 @@ def test_bench_writes_table_json_and_plots(tmp_path):
 
     md = (out / "results.md").read_text()
     assert "| project |" in md and "| plain loop |" in md and "| per-sample, 0 workers |" in md
+    assert "| bare Lightning |" in md
     data = json.loads((out / "results.json").read_text())
     suites = {s["name"]: s for s in data["suites"]}
     tput = suites["throughput"]["raw"]
-    for name in ("project", "plain loop", "per-sample, 0 workers"):
+    for name in ("project", "plain loop", "bare Lightning", "per-sample, 0 workers"):
         assert tput["samples_per_s"][name][0] > 0, name
         assert tput["peak_rss_mb"][name][0] > 0, name
+    assert tput["bare_lightning_over_plain"] > 0 and tput["project_over_bare_lightning"] > 0
     assert tput["data_ms_per_batch"] > 0
     startup = suites["startup"]["raw"]
     for name in ("project", "plain loop"):

@@ -67,6 +67,13 @@ def plain(work: Work, prefix: Path, data: str = "in_memory", workers: int = 0) -
             "--data", data, "--workers", str(workers), "--timeline", str(prefix)]
 
 
+def bare_lightning(work: Work, prefix: Path) -> list[str]:
+    """The plain loop's work in a minimal LightningModule under ``Trainer(barebones=True)``."""
+    return [sys.executable, "-m", "scripts.bench.bare_lightning", "--epochs", str(work.epochs),
+            "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),
+            "--timeline", str(prefix)]
+
+
 def plain_ddp(work: Work, prefix: Path, nproc: int) -> list[str]:
     return [sys.executable, "-m", "scripts.bench.plain_ddp", "--nproc", str(nproc), "--epochs", str(work.epochs),
             "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),

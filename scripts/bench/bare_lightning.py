@@ -1,0 +1,123 @@
+"""The plain loop's work inside a minimal LightningModule: the cost of Lightning's own training loop.
+
+    python -m scripts.bench.bare_lightning --epochs 3
+
+Same data, split, model, optimizer, batches and tensor-side metric sums as ``plain_loop``, run by
+``Trainer(barebones=True)``: no logger, progress bar, checkpointing, callbacks or ``self.log``. What
+it loses against the plain loop is Lightning's per-step machinery (hook dispatch, the optimizer
+closure, batch transfer, progress counters), which no template built on Lightning can remove; what
+the project loses against it is what the template adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from scripts.bench.plain_loop import ROOT, build_mlp, in_memory_batches, load_split, train_val_indices
+from scripts.bench.timeline import Timeline, rank_path
+from src.models.step_module import use_runtime_cuda_check_without_gpus
+
+
+class Batches:
+    """A re-iterable of whole in-memory batches with a length, as Lightning expects of a loader."""
+
+    def __init__(self, x: Tensor, y: Tensor, batch: int, train: bool) -> None:
+        self.x, self.y, self.batch, self.train = x, y, batch, train
+
+    def __iter__(self):
+        return in_memory_batches(self.x, self.y, self.batch, shuffle=self.train, drop_last=self.train)
+
+    def __len__(self) -> int:
+        return len(self.x) // self.batch if self.train else math.ceil(len(self.x) / self.batch)
+
+
+class BareModule(L.LightningModule):
+    def __init__(self, lr: float, timeline: Timeline | None) -> None:
+        super().__init__()
+        self.net, self.lr, self.timeline = build_mlp(), lr, timeline
+        self.sums: dict[str, Tensor] = {}
+
+    def setup(self, stage: str) -> None:
+        use_runtime_cuda_check_without_gpus()  # as the project does: see its docstring
+
+    def _accumulate(self, stage: str, out: Tensor, y: Tensor, loss: Tensor) -> None:
+        loss_sum, correct, seen = self.sums.get(stage) or (torch.zeros((), dtype=torch.float64),
+                                                          torch.zeros((), dtype=torch.long), torch.zeros(()))
+        self.sums[stage] = (loss_sum + loss.detach().double() * len(y), correct + (out.detach().argmax(1) == y).sum(),
+                            seen + len(y))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        loss = F.cross_entropy(out, y)
+        self._accumulate("train", out, y, loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate("val", batch)
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate("test", batch)
+
+    def _evaluate(self, stage: str, batch) -> None:
+        x, y = batch
+        out = self.net(x)
+        self._accumulate(stage, out, y, F.cross_entropy(out, y))
+
+    def on_train_epoch_start(self) -> None:
+        self.sums.pop("train", None)
+        if self.timeline:
+            self.timeline.epoch_start()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self.timeline:
+            self.timeline.step_end(len(batch[1]))
+
+    def on_validation_epoch_start(self) -> None:
+        self.sums.pop("val", None)
+
+    def on_test_epoch_start(self) -> None:
+        self.sums.pop("test", None)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.parameters(), lr=self.lr)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--limit-train-batches", type=int, default=0, help="steps per epoch (0 = whole epoch)")
+    parser.add_argument("--data-dir", default=str(ROOT / "data"))
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--timeline", default=None, help="write the bench timeline to <prefix>.rank0.json")
+    args = parser.parse_args(argv)
+
+    timeline = Timeline(rank_path(args.timeline, 0)) if args.timeline else None
+    torch.manual_seed(args.seed)
+    x, y = load_split(args.data_dir, train=True)
+    train_idx, val_idx = train_val_indices(len(x), 5000, args.seed)
+    x_test, y_test = load_split(args.data_dir, train=False)
+    module = BareModule(args.lr, timeline)
+    trainer = L.Trainer(barebones=True, accelerator="cpu", devices=1, max_epochs=args.epochs,
+                        limit_train_batches=args.limit_train_batches or 1.0, num_sanity_val_steps=0)
+    trainer.fit(module, Batches(x[train_idx], y[train_idx], args.batch_size, train=True),
+                Batches(x[val_idx], y[val_idx], args.batch_size, train=False))
+    trainer.test(module, Batches(x_test, y_test, args.batch_size, train=False), verbose=False)
+    loss_sum, correct, seen = module.sums["test"]
+    result = {"test/loss": float(loss_sum / seen), "test/acc": float(correct / seen)}
+    print(f"test/loss={result['test/loss']:.4f}  test/acc={result['test/acc']:.4f}", flush=True)
+    if timeline:
+        timeline.meta["test_metrics"] = result
+    return result
+
+
+if __name__ == "__main__":
+    main()
