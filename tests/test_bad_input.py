@@ -40,6 +40,13 @@ def test_non_positive_batch_size(tmp_path, batch):
 
 
 @pytest.mark.fast
+def test_bad_sigterm_check_interval(tmp_path):
+    proc = run_entry("train", "sigterm_check_every_n_steps=0", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2
+    assert "sigterm_check_every_n_steps=0 must be an integer >= 1" in error_line(proc)
+
+
+@pytest.mark.fast
 def test_batch_not_divisible_by_replicas_fails_before_launch(tmp_path):
     proc = run_entry("train", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "data.batch_size=127",
                      f"hydra.run.dir={tmp_path}/run")
