@@ -96,3 +96,30 @@ def test_logger_none_trains_without_the_lr_monitor(make_cfg):
     assert not any(isinstance(cb, LearningRateMonitor) for cb in trainer.callbacks)
     with_logger = train(make_cfg("train", ["test=false"], subdir="csv"))[1]["trainer"]
     assert any(isinstance(cb, LearningRateMonitor) for cb in with_logger.callbacks)  # kept when there is one
+
+
+@pytest.mark.parametrize(("overrides", "best", "tracked", "better"),
+                         [([], "val/acc_best", "val/acc", max), (["data=toy", "model=toy"], "val/loss_best", "val/loss", min)])
+def test_best_validation_value_is_tracked_over_epochs(make_cfg, overrides, best, tracked, better):
+    """``val/<name>_best`` is the best of the epochs' values, sanity check excluded."""
+    from lightning import Callback
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.values: list[tuple[float, float]] = []
+
+        def on_validation_end(self, trainer, pl_module) -> None:  # after the module's epoch-end hook
+            if not trainer.sanity_checking:
+                self.values.append((float(trainer.callback_metrics[tracked]), float(trainer.callback_metrics[best])))
+
+    record = Record()
+    cfg = make_cfg("train", [*overrides, "trainer.max_epochs=3", "test=false", "++trainer.num_sanity_val_steps=2"])
+    real = entry.instantiate_callbacks
+    entry.instantiate_callbacks = lambda c: [*real(c), record]
+    try:
+        train(cfg)
+    finally:
+        entry.instantiate_callbacks = real
+    assert len(record.values) == 3
+    for epoch, (_, best_so_far) in enumerate(record.values):
+        assert best_so_far == pytest.approx(better(v for v, _ in record.values[: epoch + 1]), abs=1e-7)

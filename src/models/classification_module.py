@@ -22,6 +22,8 @@ class ClassificationModule(StepModule):
     is off because it costs a host sync on every step.
     """
 
+    best_of = "acc"  # val/acc_best
+
     def __init__(
         self,
         net: nn.Module,
@@ -47,14 +49,3 @@ class ClassificationModule(StepModule):
         self.log_epoch_metric(f"{stage}/loss", loss_metric)
         self.log_epoch_metric(f"{stage}/acc", acc_metric)
         return loss
-
-    def on_train_start(self) -> None:
-        # The sanity check must not count towards the best validation accuracy.
-        self.val_acc_best.reset()
-
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            return
-        self.val_acc_best(self.val_acc.compute())
-        # Identical on every rank (the accuracy is already synced), so the mean is exact.
-        self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)

@@ -15,6 +15,8 @@ from src.models.step_module import STAGES, StepModule, StepOutput
 class RegressionModule(StepModule):
     """Logs ``{train,val,test}/loss`` (exact sample-weighted MSE across ranks) and ``val/loss_best``."""
 
+    best_of = "loss"  # val/loss_best
+
     def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, compile: bool = False) -> None:
         super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile)
         for stage in STAGES:  # train_loss, val_loss, test_loss
@@ -30,12 +32,3 @@ class RegressionModule(StepModule):
         loss_metric.update(loss, out["target"].shape[0])
         self.log_epoch_metric(f"{stage}/loss", loss_metric)
         return loss
-
-    def on_train_start(self) -> None:
-        self.val_loss_best.reset()
-
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            return
-        self.val_loss_best(self.val_loss.compute())
-        self.log("val/loss_best", self.val_loss_best.compute(), sync_dist=True, prog_bar=True)

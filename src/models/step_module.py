@@ -48,7 +48,13 @@ def use_runtime_cuda_check_without_gpus() -> None:
 
 
 class StepModule(LightningModule):
-    """Holds ``net``, builds the optimizer/scheduler from partial configs, and wires the steps."""
+    """Holds ``net``, builds the optimizer/scheduler from partial configs, and wires the steps.
+
+    A subclass that sets ``best_of = "<name>"`` and a ``val_<name>_best`` tracker (``MaxMetric`` or
+    ``MinMetric``) gets ``val/<name>_best`` logged after every validation epoch.
+    """
+
+    best_of: str | None = None
 
     def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, compile: bool = False) -> None:
         super().__init__()
@@ -102,6 +108,18 @@ class StepModule(LightningModule):
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.record_step("test", self.model_step(batch))
+
+    def on_train_start(self) -> None:
+        if self.best_of:  # the sanity check must not count towards the best value
+            getattr(self, f"val_{self.best_of}_best").reset()
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.best_of or self.trainer.sanity_checking:
+            return
+        best = getattr(self, f"val_{self.best_of}_best")
+        best(getattr(self, f"val_{self.best_of}").compute())
+        # Identical on every rank (the tracked metric is already synced), so the mean is exact.
+        self.log(f"val/{self.best_of}_best", best.compute(), sync_dist=True, prog_bar=True)
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
