@@ -11,7 +11,6 @@ the project loses against it is what the template adds.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import lightning as L
@@ -19,7 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scripts.bench.plain_loop import ROOT, build_mlp, in_memory_batches, load_split, train_val_indices
+from scripts.bench.plain_loop import (
+    build_mlp,
+    in_memory_batches,
+    load_split,
+    train_val_indices,
+    work_arguments,
+)
 from scripts.bench.timeline import Timeline, rank_path
 from src.models.step_module import use_runtime_cuda_check_without_gpus
 
@@ -90,15 +95,7 @@ class BareModule(L.LightningModule):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--limit-train-batches", type=int, default=0, help="steps per epoch (0 = whole epoch)")
-    parser.add_argument("--data-dir", default=str(ROOT / "data"))
-    parser.add_argument("--seed", type=int, default=12345)
-    parser.add_argument("--timeline", default=None, help="write the bench timeline to <prefix>.rank0.json")
-    args = parser.parse_args(argv)
+    args = work_arguments(__doc__.split("\n")[0]).parse_args(argv)
 
     timeline = Timeline(rank_path(args.timeline, 0)) if args.timeline else None
     torch.manual_seed(args.seed)

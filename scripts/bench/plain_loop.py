@@ -95,18 +95,24 @@ class _Reiterable:
         return self.make()
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def work_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every 1-process contender shares: the work to do and where to record its timeline."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--limit-train-batches", type=int, default=0, help="steps per epoch (0 = whole epoch)")
-    parser.add_argument("--data", choices=("in_memory", "per_sample"), default="in_memory")
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers of the per-sample pipeline")
     parser.add_argument("--data-dir", default=str(ROOT / "data"))
-    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--timeline", default=None, help="write the bench timeline to <prefix>.rank0.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = work_arguments(__doc__.split("\n")[0])
+    parser.add_argument("--data", choices=("in_memory", "per_sample"), default="in_memory")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers of the per-sample pipeline")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
     args = parser.parse_args(argv)
 
     if args.threads:
