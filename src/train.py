@@ -24,7 +24,7 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from src.distributed.sigterm_check import space_out_sigterm_checks  # noqa: E402
+from src.distributed.sigterm_check import sync_sigterm_every  # noqa: E402
 from src.strategies import register_strategies  # noqa: E402
 from src.strategies.checks import check_trainer_config  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
@@ -68,7 +68,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     check_batch_size(datamodule, trainer)  # before any process is launched
-    space_out_sigterm_checks(trainer, cfg.get("sigterm_check_every_n_steps", 1))
+    sync_sigterm_every(trainer, cfg.sigterm_check_every_n_batches)
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks,
                "logger": loggers, "trainer": trainer}
 

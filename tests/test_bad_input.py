@@ -41,9 +41,9 @@ def test_non_positive_batch_size(tmp_path, batch):
 
 @pytest.mark.fast
 def test_bad_sigterm_check_interval(tmp_path):
-    proc = run_entry("train", "sigterm_check_every_n_steps=0", f"hydra.run.dir={tmp_path}/run")
+    proc = run_entry("train", "sigterm_check_every_n_batches=0", f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 2
-    assert "sigterm_check_every_n_steps=0 must be an integer >= 1" in error_line(proc)
+    assert "sigterm_check_every_n_batches=0 must be an integer >= 1" in error_line(proc)
 
 
 @pytest.mark.fast

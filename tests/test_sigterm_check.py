@@ -1,63 +1,100 @@
-"""Lightning's per-step SIGTERM broadcast, spaced out: matched across real ranks, and validated."""
+"""SIGTERM in multi-process training: a signal to one rank stops every rank at the same batch, promptly."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from src.distributed.sigterm_check import space_out_sigterm_checks
+from src.distributed.ports import find_free_port
+from src.distributed.sigterm_check import SigtermNote, SigtermSync, sync_sigterm_every
 from src.utils.errors import ConfigError
-from tests.helpers.config import compose_cfg
-from tests.helpers.multiprocess import run_workers
+from tests.helpers.config import ROOT
+
+STOP = re.compile(r"\[rank (\d)\].*every rank stops here \(epoch (\d+), global step (\d+)\)")
 
 
-def counted_ddp_fit(rank: int, world_size: int, out_dir: str, every_n: int) -> dict:
-    """One DDP rank of ``train(cfg)`` (8 steps) that records on which steps the SIGTERM flag was broadcast."""
-    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-
-    from src.train import train
-
-    steps: list[int] = []
-    original = _TrainingEpochLoop._broadcast_sigterm_tensor
-
-    def recording(self):
-        steps.append(self.trainer.global_step)
-        return original(self)
-
-    _TrainingEpochLoop._broadcast_sigterm_tensor = recording
-    cfg = compose_cfg("train", ["trainer=ddp", f"trainer.devices={world_size}", "trainer.accelerator=cpu",
-                                "test=false", f"sigterm_check_every_n_steps={every_n}"], Path(out_dir))
-    _, objects = train(cfg)
-    params = {k: v.detach().clone() for k, v in objects["model"].net.state_dict().items()}
-    return {"steps": steps, "params": params, "global_step": objects["trainer"].global_step}
+def _wait_for(path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} never appeared in {path}:\n{path.read_text(errors='replace')[-2000:]}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("every_n", "expected"), [(3, [0, 3, 6]), (1, list(range(8)))])
-def test_broadcasts_on_the_same_steps_on_every_rank(tmp_path, every_n, expected):
-    ranks = run_workers(counted_ddp_fit, 2, str(tmp_path), every_n)
-    assert [r["steps"] for r in ranks] == [expected, expected]  # matched collectives: no rank waits alone
-    assert [r["global_step"] for r in ranks] == [8, 8]
-    first, second = ranks[0]["params"], ranks[1]["params"]
-    assert all((first[k] == second[k]).all() for k in first)  # replicas still identical
+@pytest.mark.parametrize("every_n", [1, 10])
+def test_sigterm_to_rank_zero_only_stops_both_ranks_at_the_same_step(tmp_path, every_n):
+    """Two launches (NODE_RANK 0/1, as on two machines); only node 0 gets SIGTERM, mid-training."""
+    port = str(find_free_port())
+    procs, logs = [], [tmp_path / f"node{node}.log" for node in (0, 1)]
+    for node in (0, 1):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node),
+               "OMP_NUM_THREADS": "1"}
+        args = [sys.executable, str(ROOT / "src/train.py"), "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2",
+                "trainer.accelerator=cpu", "trainer.max_epochs=100", "extras.print_config=false",
+                "callbacks.rich_progress_bar=null", "++trainer.limit_val_batches=2",
+                f"sigterm_check_every_n_batches={every_n}", f"hydra.run.dir={tmp_path}/node{node}"]
+        with open(logs[node], "w") as out:  # the child keeps its own copy of the descriptor
+            procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        _wait_for(logs[0], "epoch 0:", timeout=180)  # training is under way on both ranks
+        procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in procs]  # a hang (unmatched collective) fails here
+    finally:
+        for p in procs:
+            p.kill()
+    out = [log.read_text(errors="replace") for log in logs]
+    assert codes == [0, 0], out[0][-1500:] + out[1][-1500:]
+    assert "Received SIGTERM" in out[0] and "Received SIGTERM" not in out[1]  # node 1 was never signalled
+    stops = [STOP.findall(text) for text in out]
+    assert [s[0][0] for s in stops] == ["0", "1"]
+    assert stops[0][0][1:] == stops[1][0][1:]  # the same epoch and global step on both ranks
+    assert "epoch 99:" not in out[0]  # stopped early, not at the end of training
 
 
 @pytest.mark.fast
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "10"])
-def test_bad_interval_is_a_config_error(tmp_path, bad):
+def test_bad_interval_is_a_config_error(bad):
     from lightning import Trainer
 
-    with pytest.raises(ConfigError, match="sigterm_check_every_n_steps"):
-        space_out_sigterm_checks(Trainer(logger=False, enable_checkpointing=False), bad)
+    with pytest.raises(ConfigError, match="sigterm_check_every_n_batches"):
+        sync_sigterm_every(Trainer(logger=False, enable_checkpointing=False), bad)
 
 
 @pytest.mark.fast
-def test_one_keeps_lightnings_loop_untouched():
+def test_installed_on_multi_process_trainers_only():
     from lightning import Trainer
 
-    trainer = Trainer(logger=False, enable_checkpointing=False)
-    assert space_out_sigterm_checks(trainer, 1) is False
-    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)
-    assert space_out_sigterm_checks(trainer, 10) is True
-    assert "_broadcast_sigterm_tensor" in vars(trainer.fit_loop.epoch_loop)
+    single = Trainer(logger=False, enable_checkpointing=False)
+    assert sync_sigterm_every(single, 10) is False
+    assert "_broadcast_sigterm_tensor" not in vars(single.fit_loop.epoch_loop)
+
+    ddp = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
+    assert sync_sigterm_every(ddp, 10) is True
+    check, handler = vars(ddp.fit_loop.epoch_loop)["_broadcast_sigterm_tensor"], ddp._signal_connector._sigterm_notifier_fn
+    assert isinstance(check, SigtermSync) and check.every_n_batches == 10
+    assert isinstance(handler, SigtermNote) and handler.sync is check
+
+
+@pytest.mark.fast
+def test_note_outside_fit_keeps_lightnings_stop():
+    """In test/validate there is no per-batch check, so the handler sets Lightning's own flag."""
+    from lightning import Trainer
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
+    sync_sigterm_every(trainer, 10)
+    note = trainer._signal_connector._sigterm_notifier_fn
+    trainer.state.fn = TrainerFn.FITTING
+    note(signal.SIGTERM, None)
+    assert note.sync.signalled and not trainer.received_sigterm  # fit: wait for the agreed check
+    trainer.state.fn = TrainerFn.TESTING
+    note(signal.SIGTERM, None)
+    assert trainer.received_sigterm

@@ -1,47 +1,96 @@
-"""Space out Lightning's per-step SIGTERM broadcast in multi-process training.
+"""SIGTERM in multi-process training: every rank stops at the same batch, checked every N batches.
 
-Lightning 2.5+ (PR #20825) starts every training step of a multi-process run with a blocking
-``torch.distributed.broadcast`` of rank 0's SIGTERM flag, followed by ``.item()``: one collective
-and one host sync per step (on GPUs a CPU-GPU sync; Lightning issue #21487, PR #21640 proposes
-the same knob upstream). Measured here with 2 gloo ranks on the Fashion-MNIST MLP, it costs ~13%
-of DDP throughput. Lightning has no setting for it, so the template wraps the loop's method.
+Lightning 2.6 (PR #20825) starts every training batch of a multi-process run with a blocking
+``broadcast`` of rank 0's SIGTERM flag plus a host sync (on GPUs a CPU-GPU sync per batch; Lightning
+issue #21487). Measured here with 2 gloo ranks on the Fashion-MNIST MLP, that is ~13% of DDP
+throughput. Its signal handler also sends a broadcast of its own, which only pairs with the other
+ranks' next per-batch broadcast; checking less often with that handler in place hangs every rank.
 
-All ranks run the same number of training steps, so counting calls keeps the ranks' collectives
-matched. A SIGTERM is then noticed by the other ranks within ``every_n_steps`` steps instead of
-one; rank 0 itself still stops at the end of the step it received the signal in.
+This module replaces both pieces on the trainer instance (Lightning has no setting for them):
+
+* the SIGTERM handler only notes the signal (and, like Lightning's, forwards it to the ranks this
+  process launched); during fit it no longer stops this rank on its own;
+* every ``every_n_batches`` training batches, the same batches on every rank, the ranks all-reduce
+  (MAX) their notes; if any rank was signalled, all of them stop there together.
+
+So a SIGTERM that reaches any one rank stops the whole job within ``every_n_batches`` batches, and
+no collective is left unmatched. Outside fit (validate/test), the handler keeps Lightning's behaviour.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+import torch.distributed as dist
 from lightning import Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from src.utils.errors import ConfigError
+from src.utils.pylogger import RankedLogger
 
-_METHOD = "_broadcast_sigterm_tensor"
+log = RankedLogger(__name__)
+
+_CHECK = "_broadcast_sigterm_tensor"  # _TrainingEpochLoop: called before every training batch (world > 1)
+_HANDLER = "_sigterm_notifier_fn"  # _SignalConnector: the SIGTERM handler it registers at each run
 
 
-class _EveryNSteps:
-    """Calls the loop's own SIGTERM broadcast on every ``n``-th training step (picklable for ddp_spawn)."""
+class SigtermSync:
+    """Holds this rank's SIGTERM note and agrees with the other ranks every ``every_n_batches`` batches.
 
-    def __init__(self, loop, n: int) -> None:
-        self.loop, self.n, self.calls = loop, n, 0
+    A picklable callable (ddp_spawn pickles the trainer): replaces the training loop's per-batch check.
+    """
+
+    def __init__(self, trainer: Trainer, every_n_batches: int) -> None:
+        self.trainer, self.every_n_batches = trainer, every_n_batches
+        self.signalled = False
+        self.calls = 0
 
     def __call__(self) -> None:
-        if self.calls % self.n == 0:
-            getattr(type(self.loop), _METHOD)(self.loop)  # the class's method: the instance attribute is us
+        due = self.calls % self.every_n_batches == 0
         self.calls += 1
+        if not due:
+            return
+        flag = torch.tensor([int(self.signalled)], device=self.trainer.strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            step = f"epoch {self.trainer.current_epoch}, global step {self.trainer.global_step}"
+            log.info(f"SIGTERM: every rank stops here ({step})", rank=None)
+            self.trainer._signal_connector.received_sigterm = True
+            with contextlib.suppress(Exception):
+                dist.barrier()
+            raise SIGTERMException()
 
 
-def space_out_sigterm_checks(trainer: Trainer, every_n_steps: int) -> bool:
-    """Make the fit loop broadcast the SIGTERM flag every ``every_n_steps`` steps; True if it was changed.
+class SigtermNote:
+    """The SIGTERM handler: note the signal for :class:`SigtermSync` instead of stopping this rank alone."""
 
-    ``every_n_steps=1`` keeps Lightning's behaviour. Lightning versions without the per-step broadcast
-    are left alone.
+    def __init__(self, sync: SigtermSync) -> None:
+        self.sync = sync
+
+    def __call__(self, signum, frame) -> None:
+        trainer = self.sync.trainer
+        log.info(f"Received SIGTERM ({signum}); the job stops at the next check", rank=None)
+        if not self.sync.signalled and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)  # as Lightning: pass it on to the ranks this process started
+        self.sync.signalled = True
+        if trainer.state.fn != "fit":  # no per-batch check outside fit: Lightning's own stop
+            trainer._signal_connector.received_sigterm = True
+
+
+def sync_sigterm_every(trainer: Trainer, every_n_batches: int) -> bool:
+    """Install the agreed SIGTERM stop on a multi-process ``trainer``; True if installed.
+
+    Single-process trainers, and Lightning versions without the per-batch check, are left alone.
     """
-    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-        raise ConfigError(f"sigterm_check_every_n_steps={every_n_steps!r} must be an integer >= 1 (1 = every step)")
-    loop = trainer.fit_loop.epoch_loop
-    if every_n_steps == 1 or not hasattr(type(loop), _METHOD):
+    if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) or every_n_batches < 1:
+        raise ConfigError(
+            f"sigterm_check_every_n_batches={every_n_batches!r} must be an integer >= 1 (1 = every batch)"
+        )
+    loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
+    if trainer.world_size == 1 or not hasattr(type(loop), _CHECK) or not hasattr(type(connector), _HANDLER):
         return False
-    setattr(loop, _METHOD, _EveryNSteps(loop, every_n_steps))
+    sync = SigtermSync(trainer, every_n_batches)
+    setattr(loop, _CHECK, sync)
+    setattr(connector, _HANDLER, SigtermNote(sync))
     return True
