@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hydra
 from lightning import Callback
-from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateMonitor
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
@@ -39,10 +39,11 @@ def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
 
 
 def drop_callbacks_needing_a_logger(callbacks: list[Callback], loggers: list[Logger]) -> list[Callback]:
-    """Leave out ``LearningRateMonitor`` when there is no logger (``logger=none``): it refuses to start without one."""
+    """Leave out the monitors that refuse to start without a logger (``logger=none``), saying so."""
     if loggers:
         return callbacks
-    kept = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
-    if len(kept) < len(callbacks):
-        log.info("No logger (logger=none): the learning-rate monitor is left out; it needs a logger")
-    return kept
+    needing = (LearningRateMonitor, DeviceStatsMonitor)
+    for cb in callbacks:
+        if isinstance(cb, needing):
+            log.info(f"No logger (logger=none): {type(cb).__name__} is left out; it needs a logger")
+    return [cb for cb in callbacks if not isinstance(cb, needing)]
