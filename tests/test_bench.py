@@ -63,6 +63,8 @@ def test_bench_writes_table_json_and_plots(tmp_path):
         assert tput["samples_per_s"][name][0] > 0, name
         assert tput["peak_rss_mb"][name][0] > 0, name
     assert tput["bare_lightning_over_plain"] > 0 and tput["project_over_bare_lightning"] > 0
+    assert [len(tput["paired_steps"][name]) for name in ("bare", "project")] == [1, 1]  # one round each
+    assert "Paired steps" in md
     assert tput["data_ms_per_batch"] > 0
     startup = suites["startup"]["raw"]
     for name in ("project", "plain loop"):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from scripts.bench.paired_step import PairedPlainStep
 from scripts.bench.plain_loop import (
     build_mlp,
     in_memory_batches,
@@ -95,7 +96,9 @@ class BareModule(L.LightningModule):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = work_arguments(__doc__.split("\n")[0]).parse_args(argv)
+    parser = work_arguments(__doc__.split("\n")[0])
+    parser.add_argument("--paired", default=None, help="also time an interleaved plain step; write to this JSON")
+    args = parser.parse_args(argv)
 
     timeline = Timeline(rank_path(args.timeline, 0)) if args.timeline else None
     torch.manual_seed(args.seed)
@@ -103,8 +106,10 @@ def main(argv: list[str] | None = None) -> dict:
     train_idx, val_idx = train_val_indices(len(x), 5000, args.seed)
     x_test, y_test = load_split(args.data_dir, train=False)
     module = BareModule(args.lr, timeline)
+    callbacks = [PairedPlainStep(args.paired, args.data_dir, args.lr, args.seed)] if args.paired else []
     trainer = L.Trainer(barebones=True, accelerator="cpu", devices=1, max_epochs=args.epochs,
-                        limit_train_batches=args.limit_train_batches or 1.0, num_sanity_val_steps=0)
+                        limit_train_batches=args.limit_train_batches or 1.0, num_sanity_val_steps=0,
+                        callbacks=callbacks)
     trainer.fit(module, Batches(x[train_idx], y[train_idx], args.batch_size, train=True),
                 Batches(x[val_idx], y[val_idx], args.batch_size, train=False))
     trainer.test(module, Batches(x_test, y_test, args.batch_size, train=False), verbose=False)

@@ -67,11 +67,22 @@ def plain(work: Work, prefix: Path, data: str = "in_memory", workers: int = 0) -
             "--data", data, "--workers", str(workers), "--timeline", str(prefix)]
 
 
-def bare_lightning(work: Work, prefix: Path) -> list[str]:
+def bare_lightning(work: Work, prefix: Path, paired: bool = False) -> list[str]:
     """The plain loop's work in a minimal LightningModule under ``Trainer(barebones=True)``."""
     return [sys.executable, "-m", "scripts.bench.bare_lightning", "--epochs", str(work.epochs),
             "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),
-            "--timeline", str(prefix)]
+            "--timeline", str(prefix), *(["--paired", str(paired_path(prefix))] if paired else [])]
+
+
+def project_paired(work: Work, prefix: Path, run_dir: Path) -> list[str]:
+    """``python src/train.py`` with its defaults, plus an interleaved plain step after each training step."""
+    return project(work, prefix, run_dir, "+callbacks.bench_paired._target_=scripts.bench.paired_step.PairedPlainStep",
+                   f"+callbacks.bench_paired.out={paired_path(prefix)}")
+
+
+def paired_path(prefix: Path) -> Path:
+    """Where a paired run (``scripts.bench.paired_step``) writes its medians."""
+    return Path(f"{prefix}.paired.json")
 
 
 def plain_ddp(work: Work, prefix: Path, nproc: int) -> list[str]:

@@ -22,8 +22,8 @@ class Settings:
     nproc: int  # ranks of the DDP comparison
     tty: bool  # run contenders in a pseudo-terminal (as a user's shell does)
     full: bool
-    quiet_wait: float = 20.0
-    batch_size: int | None = None  # global batch of the throughput/DDP runs; None = the config's  # before each run, wait up to this long for other processes to go idle
+    quiet_wait: float = 20.0  # before each run, wait up to this long for other processes to go idle
+    batch_size: int | None = None  # global batch of the throughput/DDP runs; None = the config's
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""A bench-only callback: after every Lightning training step, one plain PyTorch step of the same work.
+
+Comparing separate runs on a shared machine mixes the per-step overhead with whatever the machine did
+during each run. Here the two alternate step by step in one process, so both see the same clock speed,
+the same other tenants and the same warm caches, and the difference of their medians is the cost of
+Lightning's loop plus what the run adds on top (progress bar, logging, callbacks, metric updates).
+
+The Lightning step is timed from the end of this callback's previous call to the start of its next
+one, so it holds everything Lightning and the other callbacks do per step. The plain step is the
+``plain_loop`` step: gather and normalize a batch, forward, loss, zero_grad, backward, Adam step, and
+tensor-side loss/accuracy sums. Added on the command line, not in any config:
+``+callbacks.bench_paired._target_=scripts.bench.paired_step.PairedPlainStep +callbacks.bench_paired.out=<file>``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lightning import Callback, LightningModule, Trainer
+
+from scripts.bench.plain_loop import ROOT, build_mlp, in_memory_batches, load_split, train_val_indices
+
+
+class PairedPlainStep(Callback):
+    """Times each Lightning training step and one interleaved plain step; writes medians to ``out`` (JSON)."""
+
+    def __init__(self, out: str, data_dir: str = str(ROOT / "data"), lr: float = 1e-3, seed: int = 12345,
+                 warmup_epochs: int = 1) -> None:
+        self.out, self.data_dir, self.lr, self.seed, self.warmup_epochs = Path(out), data_dir, lr, seed, warmup_epochs
+        self.lightning_s: list[float] = []
+        self.plain_s: list[float] = []
+        self._resumed: float | None = None
+        self._batches: Iterator | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.world_size != 1:
+            raise RuntimeError("PairedPlainStep measures one process; run it without DDP")
+        x, y = load_split(self.data_dir, train=True)
+        train_idx, _ = train_val_indices(len(x), 5000, self.seed)
+        self.x, self.y = x[train_idx], y[train_idx]
+        self.net = build_mlp()
+        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr)
+        self.loss_sum, self.correct = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._resumed = None  # the epoch's first step also holds the loader's start-up
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        now = time.perf_counter()
+        counted = trainer.current_epoch >= self.warmup_epochs
+        if counted and self._resumed is not None:
+            self.lightning_s.append(now - self._resumed)
+        start = time.perf_counter()
+        self._plain_step(len(batch[-1]))
+        if counted:
+            self.plain_s.append(time.perf_counter() - start)
+        self._resumed = time.perf_counter()
+
+    def _plain_step(self, batch_size: int) -> None:
+        try:
+            xb, yb = next(self._batches)
+        except (StopIteration, TypeError):  # first call, or one pass over the data is done
+            self._batches = in_memory_batches(self.x, self.y, batch_size, shuffle=True, drop_last=True)
+            xb, yb = next(self._batches)
+        out = self.net(xb)
+        loss = F.cross_entropy(out, yb)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.loss_sum += loss.detach().double() * len(yb)
+        self.correct += (out.detach().argmax(1) == yb).sum()
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.lightning_s:
+            return
+        record = {"lightning_ms": 1e3 * statistics.median(self.lightning_s),
+                  "plain_ms": 1e3 * statistics.median(self.plain_s), "steps": len(self.lightning_s),
+                  "threads": torch.get_num_threads()}
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(record))
