@@ -45,6 +45,14 @@ class SuiteResult:
     plots: list[str] = field(default_factory=list)  # file names in the results directory
     markdown: str = ""  # extra Markdown (e.g. another benchmark's own table)
 
+    def successful(self, name: str, runs: list[measure.Run]) -> list[measure.Run]:
+        """The runs of contender ``name`` that finished; if none did, a 'failed' row and the first error."""
+        ok = [run for run in runs if run.ok]
+        if not ok:
+            self.rows.append([name, "-", "failed", *["-"] * (len(self.columns) - 3)])
+            self.notes.append(runs[0].error())
+        return ok
+
 
 class Bench:
     """Runs contenders for the suites: logs in ``<out>/logs``, timelines in ``<out>/timelines``."""

@@ -36,7 +36,7 @@ class PairedPlainStep(Callback):
         self.lightning_s: list[float] = []
         self.plain_s: list[float] = []
         self._resumed: float | None = None
-        self._batches: Iterator | None = None
+        self._batches: Iterator = iter(())
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.world_size != 1:
@@ -65,7 +65,7 @@ class PairedPlainStep(Callback):
     def _plain_step(self, batch_size: int) -> None:
         try:
             xb, yb = next(self._batches)
-        except (StopIteration, TypeError):  # first call, or one pass over the data is done
+        except StopIteration:  # first call, or one pass over the data is done
             self._batches = in_memory_batches(self.x, self.y, batch_size, shuffle=True, drop_last=True)
             xb, yb = next(self._batches)
         out = self.net(xb)

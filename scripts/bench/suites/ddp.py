@@ -35,10 +35,8 @@ def run(bench: Bench) -> SuiteResult:
                       "samples/s incl. start-up",
                       "to first step s", "peak RSS MiB per rank"]
     for name in makers:
-        ok = [run for run in runs[name] if run.ok]
+        ok = result.successful(name, runs[name])
         if not ok:
-            result.rows.append([name, "-", "failed", "-", "-", "-", "-", "-"])
-            result.notes.append(runs[name][0].error())
             continue
         rss = [measure.peak_rss_mb(run) for run in ok]
         result.rows.append([

@@ -37,10 +37,8 @@ def run(bench: Bench) -> SuiteResult:
     result.columns = ["contender", "threads", "samples/s best", "vs plain loop", "samples/s median (min-max)",
                       "ms/step", "epoch s (train+val)", "peak RSS MiB"]
     for name in makers:
-        ok = [run for run in runs[name] if run.ok]
+        ok = result.successful(name, runs[name])
         if not ok:
-            result.rows.append([name, "-", "failed", "-", "-", "-", "-", "-"])
-            result.notes.append(runs[name][0].error())
             continue
         result.rows.append([
             name, str(measure.threads(ok[0])[0]), f"{top[name]:,.0f}", show(ratio(top[name], top["plain loop"]), "{:.3f}x"),
