@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import hydra
 import pytest
+import torch
 from lightning import Callback
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateMonitor, RichProgressBar
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 import src.train as entry
 from src.callbacks.progress_bar import RateLimitedRichProgressBar
+from src.data.mnist_datamodule import MNISTDataModule
 from src.models.components.mlp import MLP
 from src.train import train
+from src.utils.instantiators import drop_callbacks_needing_a_logger
 
 
 class _BarProbe(Callback):
@@ -57,8 +62,6 @@ def test_rate_limited_bar_skips_updates_but_ends_each_epoch_at_the_total(make_cf
 
 @pytest.mark.fast
 def test_step_module_setattr_fast_path_keeps_module_semantics(make_cfg, monkeypatch):
-    import hydra
-
     model = hydra.utils.instantiate(make_cfg("train").model)
     slow = nn.Module.__setattr__
 
@@ -84,10 +87,6 @@ def test_mlp_batch_norm_replaces_the_hidden_bias():
 @pytest.mark.fast
 @pytest.mark.parametrize("dataset", ["fashion_mnist", "mnist"])
 def test_mnist_augmentation_shifts_and_flips_only_training_batches(dataset):
-    import torch
-
-    from src.data.mnist_datamodule import MNISTDataModule
-
     torch.manual_seed(0)
     dm = MNISTDataModule(dataset=dataset, augment=True)
     images = torch.randint(1, 256, (64, 1, 28, 28), dtype=torch.uint8)
@@ -110,8 +109,6 @@ def test_mnist_augmentation_shifts_and_flips_only_training_batches(dataset):
 
 @pytest.mark.slow
 def test_logger_none_trains_without_the_lr_monitor(make_cfg):
-    from lightning.pytorch.callbacks import LearningRateMonitor
-
     metrics, objects = train(make_cfg("train", ["logger=none"]))
     trainer = objects["trainer"]
     assert trainer.loggers == [] and trainer.global_step == 8 and "test/acc" in metrics
@@ -125,8 +122,6 @@ def test_logger_none_trains_without_the_lr_monitor(make_cfg):
                          [([], "acc", max, 2.0), (["data=toy", "model=toy"], "loss", min, -1.0)])
 def test_best_validation_value_is_tracked_over_epochs(make_cfg, monkeypatch, overrides, name, better, flattering):
     """``val/<name>_best`` is the best of the epochs' values; what the sanity check saw does not count."""
-    import torch
-
     class Record(Callback):
         def __init__(self) -> None:
             self.values: list[tuple[float, float]] = []
@@ -151,11 +146,6 @@ def test_best_validation_value_is_tracked_over_epochs(make_cfg, monkeypatch, ove
 
 @pytest.mark.fast
 def test_monitors_needing_a_logger_are_left_out_without_one():
-    from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateMonitor
-    from lightning.pytorch.loggers import CSVLogger
-
-    from src.utils.instantiators import drop_callbacks_needing_a_logger
-
     callbacks = [LearningRateMonitor(), DeviceStatsMonitor(), RichProgressBar()]
     assert drop_callbacks_needing_a_logger(callbacks, [CSVLogger("unused")]) == callbacks
     assert [type(cb) for cb in drop_callbacks_needing_a_logger(callbacks, [])] == [RichProgressBar]
