@@ -190,11 +190,10 @@ def run(out: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any
     rows = []
     for m in cfg["micro_batches"]:
         throughput = samples / statistics.median(times[m])
-        ideal = ideal_speedup(p, m)
+        ideal, attainable = ideal_speedup(p, m), attainable_speedup(p, m, capacity)
         rows.append(dict(m=m, samples_per_s=throughput, speedup=throughput / base, ideal=ideal,
                          efficiency=throughput / base / ideal, bubble=(p - 1) / (m + p - 1),
-                         attainable=attainable_speedup(p, m, capacity),
-                         efficiency_vs_attainable=throughput / base / attainable_speedup(p, m, capacity)))
+                         attainable=attainable, efficiency_vs_attainable=throughput / base / attainable))
     result = {
         "benchmark": "pipeline",
         "config": {**cfg, "micro_batches": list(cfg["micro_batches"])},
@@ -243,7 +242,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schedule", default=DEFAULTS["schedule"])
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
-    args["micro_batches"] = args.pop("micro_batches")
     result = run(out=out, **args)
     print(markdown(result))
     print(f"\nwrote {Path(out) / 'results.json'}")

@@ -17,7 +17,6 @@ import os
 import pty
 import resource
 import signal
-import statistics
 import struct
 import subprocess
 import termios
@@ -166,12 +165,6 @@ def steady_throughput(r: Run, warmup_epochs: int = 1) -> float:
         samples += sum(ep["samples"] for ep in per_rank)
         spans += max(ep["steps"][-1] - ep["start"] for ep in per_rank)
     return samples / spans
-
-
-def step_ms(r: Run, warmup_epochs: int = 1) -> float:
-    """Median time between consecutive optimizer steps (rank 0), in ms, after the warm-up epochs."""
-    gaps = [b - a for ep in r.timelines[0]["epochs"][warmup_epochs:] for a, b in zip(ep["steps"][:-1], ep["steps"][1:], strict=True)]
-    return 1e3 * statistics.median(gaps)
 
 
 def epoch_wall_s(r: Run, warmup_epochs: int = 1) -> float | None:

@@ -27,7 +27,6 @@ from src.distributed.collectives.runtime import all_gather_tensor, reduce_scatte
 
 Outcome = tuple[torch.Tensor, torch.Tensor] | None
 
-ARITHMETIC_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
 BITWISE_OPS = ("BAND", "BOR", "BXOR")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 _BIT_SHIFT = 48  # rank bits below, shared position bits above
@@ -317,4 +316,3 @@ ALL_CHECKS: list[Check] = _build()
 """Every built-in check, in run order (point-to-point first, subgroups last)."""
 
 CHECK_NAMES: list[str] = [c.name for c in ALL_CHECKS]
-COLLECTIVES: list[str] = sorted({c.collective for c in ALL_CHECKS})
