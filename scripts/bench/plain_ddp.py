@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 import torch
@@ -23,8 +22,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from scripts.bench.plain_loop import ROOT, build_mlp, load_split, normalize, train_val_indices
+from scripts.bench.plain_loop import build_mlp, load_split, normalize, train_val_indices, work_arguments
 from scripts.bench.timeline import Timeline, rank_path
+from src.distributed.ports import find_free_port
 
 
 def setup(rank: int, world_size: int, port: int) -> None:
@@ -98,17 +98,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = work_arguments(__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes to spawn (ignored under torchrun)")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=128, help="global batch, split across the ranks")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--limit-train-batches", type=int, default=0, help="steps per epoch (0 = whole epoch)")
-    parser.add_argument("--data-dir", default=str(ROOT / "data"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--port", type=int, default=0, help="rendezvous port (0 = a free one)")
-    parser.add_argument("--seed", type=int, default=12345)
-    parser.add_argument("--timeline", default=None, help="write bench timelines to <prefix>.rank<r>.json")
     args = parser.parse_args(argv)
     if args.batch_size % args.nproc:
         parser.error(f"--batch-size {args.batch_size} must divide evenly across --nproc {args.nproc}")
@@ -116,10 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun / srun
         train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return
-    if not args.port:
-        with socket.socket() as sock:  # a port free right now for the rendezvous
-            sock.bind(("127.0.0.1", 0))
-            args.port = sock.getsockname()[1]
+    args.port = args.port or find_free_port()
     mp.spawn(train, args=(args.nproc, args), nprocs=args.nproc, join=True)
 
 

@@ -96,15 +96,15 @@ class _Reiterable:
 
 
 def work_arguments(description: str) -> argparse.ArgumentParser:
-    """The options every 1-process contender shares: the work to do and where to record its timeline."""
+    """The options every plain/bare contender shares: the work to do and where to record its timeline."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=128, help="global batch (split across DDP ranks)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--limit-train-batches", type=int, default=0, help="steps per epoch (0 = whole epoch)")
     parser.add_argument("--data-dir", default=str(ROOT / "data"))
     parser.add_argument("--seed", type=int, default=12345)
-    parser.add_argument("--timeline", default=None, help="write the bench timeline to <prefix>.rank0.json")
+    parser.add_argument("--timeline", default=None, help="write bench timelines to <prefix>.rank<r>.json")
     return parser
 
 
