@@ -23,7 +23,7 @@ from scripts.bench.plain_loop import (
     build_mlp,
     in_memory_batches,
     load_split,
-    train_val_indices,
+    train_val_split,
     work_arguments,
 )
 from scripts.bench.timeline import Timeline, rank_path
@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     timeline = Timeline(rank_path(args.timeline, 0)) if args.timeline else None
     torch.manual_seed(args.seed)
-    x, y = load_split(args.data_dir, train=True)
-    train_idx, val_idx = train_val_indices(len(x), 5000, args.seed)
+    x, y, train_idx, val_idx = train_val_split(args.data_dir, args.seed)
     x_test, y_test = load_split(args.data_dir, train=False)
     module = BareModule(args.lr, timeline)
     callbacks = [PairedPlainStep(args.paired, args.data_dir, args.lr, args.seed)] if args.paired else []

@@ -21,10 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from lightning import Callback, LightningModule, Trainer
 
-from scripts.bench.plain_loop import ROOT, build_mlp, in_memory_batches, load_split, train_val_indices
+from scripts.bench.plain_loop import ROOT, build_mlp, in_memory_batches, train_step, train_val_split
 
 
 class PairedPlainStep(Callback):
@@ -41,8 +40,7 @@ class PairedPlainStep(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.world_size != 1:
             raise RuntimeError("PairedPlainStep measures one process; run it without DDP")
-        x, y = load_split(self.data_dir, train=True)
-        train_idx, _ = train_val_indices(len(x), 5000, self.seed)
+        x, y, train_idx, _ = train_val_split(self.data_dir, self.seed)
         self.x, self.y = x[train_idx], y[train_idx]
         self.net = build_mlp()
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr)
@@ -68,13 +66,9 @@ class PairedPlainStep(Callback):
         except StopIteration:  # first call, or one pass over the data is done
             self._batches = in_memory_batches(self.x, self.y, batch_size, shuffle=True, drop_last=True)
             xb, yb = next(self._batches)
-        out = self.net(xb)
-        loss = F.cross_entropy(out, yb)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.loss_sum += loss.detach().double() * len(yb)
-        self.correct += (out.detach().argmax(1) == yb).sum()
+        batch_loss, batch_correct = train_step(self.net, self.optimizer, xb, yb)
+        self.loss_sum += batch_loss
+        self.correct += batch_correct
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.lightning_s:

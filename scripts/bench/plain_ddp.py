@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from scripts.bench.plain_loop import build_mlp, load_split, normalize, train_val_indices, work_arguments
+from scripts.bench.plain_loop import build_mlp, load_split, normalize, train_val_split, work_arguments
 from scripts.bench.timeline import Timeline, rank_path
 from src.distributed.ports import find_free_port
 
@@ -60,8 +60,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     timeline = Timeline(rank_path(args.timeline, rank), rank=rank) if args.timeline else None
     torch.manual_seed(args.seed)  # same seed on every rank: replicas start identical (DDP also broadcasts)
-    x, y = load_split(args.data_dir, train=True)
-    train_idx, val_idx = train_val_indices(len(x), 5000, args.seed)
+    x, y, train_idx, val_idx = train_val_split(args.data_dir, args.seed)
     x_train, y_train, x_val, y_val = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
     x_test, y_test = load_split(args.data_dir, train=False)
     per_rank = args.batch_size // world_size

@@ -42,6 +42,22 @@ def train_val_indices(n: int, val_size: int, seed: int) -> tuple[Tensor, Tensor]
     return order[val_size:], order[:val_size]
 
 
+def train_val_split(data_dir: str, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The project's training set and split: ``(images, labels, train_idx, val_idx)``."""
+    x, y = load_split(data_dir, train=True)
+    return x, y, *train_val_indices(len(x), 5000, seed)
+
+
+def train_step(net: nn.Module, optimizer: torch.optim.Optimizer, xb: Tensor, yb: Tensor) -> tuple[Tensor, Tensor]:
+    """One plain training step; returns the batch's loss sum and correct count (tensors: no host sync)."""
+    out = net(xb)
+    loss = F.cross_entropy(out, yb)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach().double() * len(yb), (out.detach().argmax(1) == yb).sum()
+
+
 def build_mlp(hidden: tuple[int, ...] = (512, 256), dropout: float = 0.1, classes: int = 10) -> nn.Sequential:
     layers: list[nn.Module] = [nn.Flatten()]
     width = 28 * 28
@@ -119,8 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     timeline = Timeline(rank_path(args.timeline, 0)) if args.timeline else None
     torch.manual_seed(args.seed)
-    x, y = load_split(args.data_dir, train=True)
-    train_idx, val_idx = train_val_indices(len(x), 5000, args.seed)
+    x, y, train_idx, val_idx = train_val_split(args.data_dir, args.seed)
     x_train, y_train, x_val, y_val = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
     x_test, y_test = load_split(args.data_dir, train=False)
 
@@ -136,13 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
         for step, (xb, yb) in enumerate(train_batches):
             if args.limit_train_batches and step == args.limit_train_batches:
                 break
-            out = net(xb)
-            loss = F.cross_entropy(out, yb)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            loss_sum += loss.detach().double() * len(yb)
-            correct += (out.detach().argmax(1) == yb).sum()
+            batch_loss, batch_correct = train_step(net, optimizer, xb, yb)
+            loss_sum += batch_loss
+            correct += batch_correct
             seen += len(yb)
             if timeline:
                 timeline.step_end(len(yb))
