@@ -83,6 +83,11 @@ class Bench:
                 "(0 on an idle machine; noise only slows a run down, so the best round is the least disturbed).")
 
 
+def per_round(runs: list[measure.Run], fn) -> list:
+    """``fn(run)`` for each round's run, ``None`` where the run failed."""
+    return [fn(run) if run.ok else None for run in runs]
+
+
 def best(values, higher: bool = True) -> float | None:
     """The least-disturbed round: the largest rate or (``higher=False``) the shortest time."""
     values = [v for v in values if v is not None]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scripts.bench import contenders, measure
-from scripts.bench.context import Bench, Goal, SuiteResult, best, median, ratio, show, spread
+from scripts.bench.context import Bench, Goal, SuiteResult, best, median, per_round, ratio, show, spread
 from scripts.bench.report import bar_chart
 
 
@@ -23,11 +23,8 @@ def run(bench: Bench) -> SuiteResult:
         for name, (make, ranks, threads) in makers.items():
             runs[name].append(bench.run(f"ddp-{name.replace(' ', '-')}-r{r}", make, world_size=ranks, threads=threads))
 
-    def values(fn, name):
-        return [fn(run) if run.ok else None for run in runs[name]]
-
-    steady = {name: values(measure.steady_throughput, name) for name in makers}
-    overall = {name: values(lambda run: measure.train_samples(run) / run.wall_s, name) for name in makers}
+    steady = {name: per_round(runs[name], measure.steady_throughput) for name in makers}
+    overall = {name: per_round(runs[name], lambda run: measure.train_samples(run) / run.wall_s) for name in makers}
     project, plain = f"project ddp x{n}", f"plain DDP x{n}"
     top = {name: best(v) for name, v in steady.items()}
     result = SuiteResult("ddp", f"DDP, {n} processes on gloo (global batch {work.global_batch})")
@@ -42,7 +39,7 @@ def run(bench: Bench) -> SuiteResult:
         result.rows.append([
             name, str(measure.threads(ok[0])[0]), show(top[name], "{:,.0f}"), show(ratio(top[name], top[plain]), "{:.3f}x"),
             spread(steady[name]), spread(overall[name]),
-            spread(values(measure.first_step_s, name)),
+            spread(per_round(runs[name], measure.first_step_s)),
             " / ".join(f"{median([r[i] for r in rss]):,.0f}" for i in range(len(rss[0]))),
         ])
     vs_plain = ratio(top[project], top[plain])
@@ -54,8 +51,8 @@ def run(bench: Bench) -> SuiteResult:
         "time (which also holds validation and test). Steady state as in the throughput suite; ratios compare best rounds.")
     result.notes.append(bench.noise_note([run for v in runs.values() for run in v]))
     result.raw = {"steady": steady, "overall": overall,
-                  "other_load": {name: values(lambda run: run.other_load, name) for name in makers},
-                  "peak_rss_mb": {name: values(measure.peak_rss_mb, name) for name in makers}}
+                  "other_load": {name: per_round(runs[name], lambda run: run.other_load) for name in makers},
+                  "peak_rss_mb": {name: per_round(runs[name], measure.peak_rss_mb) for name in makers}}
     plot = bench.out / "ddp.png"
     bar_chart(plot, {name: v or 0 for name, v in top.items()}, "samples/s (steady state, best round)",
               f"DDP, {n} processes", reference=plain)

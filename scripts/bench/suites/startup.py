@@ -7,7 +7,7 @@ import sys
 
 from scripts.bench import contenders, measure
 from scripts.bench.contenders import ROOT
-from scripts.bench.context import Bench, Goal, SuiteResult, best, median, ratio, spread
+from scripts.bench.context import Bench, Goal, SuiteResult, best, median, per_round, ratio, spread
 from scripts.bench.report import grouped_bars
 
 # What each entry point imports before it can do anything (timed in a fresh interpreter).
@@ -39,12 +39,9 @@ def run(bench: Bench) -> SuiteResult:
             runs[name].append(bench.run(f"startup-{name.replace(' ', '-')}-r{r}", make))
             imports[name].append(import_seconds(IMPORTS[name], s.threads))
 
-    def values(fn, name):
-        return [fn(run) if run.ok else None for run in runs[name]]
-
-    first = {n: values(measure.first_step_s, n) for n in makers}
-    exit_s = {n: values(lambda run: run.wall_s, n) for n in makers}
-    rss = {n: values(lambda run: measure.peak_rss_mb(run)[0], n) for n in makers}
+    first = {n: per_round(runs[n], measure.first_step_s) for n in makers}
+    exit_s = {n: per_round(runs[n], lambda run: run.wall_s) for n in makers}
+    rss = {n: per_round(runs[n], lambda run: measure.peak_rss_mb(run)[0]) for n in makers}
     result = SuiteResult("startup", "Start-up and memory, 1-epoch run (train, validate, test)")
     result.columns = ["contender", "imports s", "to first step s", "to exit s", "peak RSS MiB"]
     for n in makers:

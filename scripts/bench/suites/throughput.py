@@ -6,7 +6,7 @@ import json
 from functools import partial
 
 from scripts.bench import contenders, measure
-from scripts.bench.context import Bench, Goal, SuiteResult, best, median, ratio, show, spread
+from scripts.bench.context import Bench, Goal, SuiteResult, best, median, per_round, ratio, show, spread
 from scripts.bench.data_pipeline import in_threads, per_sample_batch_ms, project_batch_ms
 from scripts.bench.report import bar_chart
 
@@ -27,10 +27,7 @@ def run(bench: Bench) -> SuiteResult:
         for name, make in makers.items():
             runs[name].append(bench.run(f"throughput-{_slug(name)}-r{r}", make))
 
-    def per_round(fn, name):
-        return [fn(run) if run.ok else None for run in runs[name]]
-
-    tput = {name: per_round(measure.steady_throughput, name) for name in makers}
+    tput = {name: per_round(runs[name], measure.steady_throughput) for name in makers}
     top = {name: best(v) for name, v in tput.items()}
     round_ratios = [ratio(p, q) for p, q in zip(tput["project"], tput["plain loop"], strict=True)]
     result = SuiteResult("throughput", f"Training throughput, 1 process, batch {work.global_batch} (steady state)")
@@ -89,11 +86,11 @@ def run(bench: Bench) -> SuiteResult:
         "best round; the same-round median is the median over rounds of project/plain in the same round.")
     result.notes.append(bench.noise_note([run for v in runs.values() for run in v]))
     result.raw = {"samples_per_s": tput, "project_over_plain_same_round": round_ratios, "paired_steps": paired,
-                  "other_load": {n: per_round(lambda r: r.other_load, n) for n in makers}, "data_ms_per_batch": data_ms,
+                  "other_load": {n: per_round(runs[n], lambda r: r.other_load) for n in makers}, "data_ms_per_batch": data_ms,
                   "per_sample_ms_per_batch": per_sample_ms, "data_share_of_step": share,
                   "speedup_over_per_sample": speedup,
                   "bare_lightning_over_plain": floor, "project_over_bare_lightning": added,
-                  "peak_rss_mb": {n: per_round(lambda r: measure.peak_rss_mb(r)[0], n) for n in makers}}
+                  "peak_rss_mb": {n: per_round(runs[n], lambda r: measure.peak_rss_mb(r)[0]) for n in makers}}
     plot = bench.out / "throughput.png"
     bar_chart(plot, {n: v or 0 for n, v in top.items()}, "samples/s (steady state, best round)",
               "Training throughput, 1 process", reference="plain loop")
