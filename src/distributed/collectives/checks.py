@@ -21,6 +21,7 @@ from src.distributed.collectives.runtime import (
     backend_name,
     call_with_timeout,
     comm_device,
+    first_line,
     synchronize,
     wait,
 )
@@ -184,10 +185,10 @@ def run_check(check: Check, ctx: CheckContext) -> CheckResult:
     except CollectiveError:  # timed out or broke the group: later checks cannot run
         raise
     except Exception as err:  # classify: backend limitation -> skipped, anything else -> failed
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        message = first_line(err)
         if is_unsupported(err):
-            return CheckResult(check.name, SKIPPED, ctx.ranks, reason=f"unsupported by {ctx.backend}: {first_line}")
-        return CheckResult(check.name, FAILED, ctx.ranks, reason=f"raised {type(err).__name__}: {first_line}",
+            return CheckResult(check.name, SKIPPED, ctx.ranks, reason=f"unsupported by {ctx.backend}: {message}")
+        return CheckResult(check.name, FAILED, ctx.ranks, reason=f"raised {type(err).__name__}: {message}",
                            failed_ranks=[ctx.rank], seconds=time.perf_counter() - start)
     result = CheckResult(check.name, PASSED, list(ctx.ranks), seconds=time.perf_counter() - start)
     if outcome is not None:

@@ -149,11 +149,13 @@ def run_bench(plan: Any) -> None:
     if _is_rank0():
         print_table(bench_table(rows, skipped))
         paths = save_benchmark(rows, plan.out_dir, skipped, _meta(plan))
-        ratios = ring_ratio(rows)
-        if ratios:
-            _say("ring/built-in all_reduce busbw: " + ", ".join(
-                f"{format_size(s)} {r:.2f}x" for s, r in sorted(ratios.items())))
+        _say_ring_ratios("ring/built-in all_reduce busbw", ring_ratio(rows))
         _say("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+def _say_ring_ratios(label: str, ratios: dict) -> None:
+    if ratios:
+        _say(f"{label}: " + ", ".join(f"{format_size(s)} {r:.2f}x" for s, r in sorted(ratios.items())))
 
 
 def run_ring(plan: Any) -> None:
@@ -172,8 +174,7 @@ def run_ring(plan: Any) -> None:
         print_table(table)
         if rows:
             print_table(bench_table(rows, skipped))
-            _say("ring/built-in busbw: " + ", ".join(
-                f"{format_size(s)} {r:.2f}x" for s, r in sorted(ring_ratio(rows, 0).items())))
+            _say_ring_ratios("ring/built-in busbw", ring_ratio(rows, 0))
         write_json(Path(plan.out_dir) / "collectives_ring.json",
                    {"meta": _meta(plan), "cases": cases, "rows": [r.as_dict() for r in rows]})
     if bad:

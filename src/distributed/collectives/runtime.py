@@ -68,7 +68,7 @@ def wait(work: Any, timeout_s: float, what: str, backend: str | None = None) -> 
             text = str(err).lower()
             if "timed out" in text or "timeout" in text:
                 raise CollectiveTimeoutError(f"{what}: no completion within {timeout_s:g}s") from err
-            raise CollectiveError(f"{what}: {_first_line(err)}") from err  # e.g. a peer went away
+            raise CollectiveError(f"{what}: {first_line(err)}") from err  # e.g. a peer went away
         return
     deadline = time.monotonic() + timeout_s
     while not work.is_completed():
@@ -78,10 +78,11 @@ def wait(work: Any, timeout_s: float, what: str, backend: str | None = None) -> 
     try:
         work.wait()
     except RuntimeError as err:
-        raise CollectiveError(f"{what}: {_first_line(err)}") from err
+        raise CollectiveError(f"{what}: {first_line(err)}") from err
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type name if empty), at most 200 characters."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
