@@ -1,7 +1,7 @@
 """``pipeline``: model-parallel pipeline training for Lightning 2.x on ``torch.distributed.pipelining``.
 
 Lightning ships no pipeline strategy (its ``ModelParallelStrategy`` covers FSDP2 and tensor
-parallelism). This one reuses :class:`~lightning.pytorch.strategies.DDPStrategy` for what
+parallelism). This one builds on :class:`~src.strategies.ddp.DDPStrategy` (Lightning's DDP) for what
 does not change (launcher, process group, cluster environments) and replaces the rest:
 
 * **split** (``setup``): ``model.net``'s named blocks are cut into ``stages x stages_per_rank``
@@ -37,13 +37,13 @@ import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from rich.console import Console
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from src.strategies.ddp import DDPStrategy
 from src.strategies.pipeline import checkpoint as ckpt
 from src.strategies.pipeline.grads import add_grads, reduce_grads, take_grads
 from src.strategies.pipeline.mesh import Layout, PipelineMesh, build_mesh, resolve_layout

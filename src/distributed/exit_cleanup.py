@@ -1,0 +1,32 @@
+"""Destroy the default process group before the interpreter shuts down, for every backend.
+
+Why: a gloo collective's work object is released by the process group's worker thread
+(``pt_gloo_runloop``) *after* ``wait()`` has returned to Python. Releasing it drops its tensors,
+which needs the GIL. If the main thread has meanwhile begun interpreter shutdown (a spawned
+rank returning right after the last metric sync), that thread is killed while taking the GIL
+and the process dies with SIGABRT ("terminate called without an active exception"). Seen in
+CI as ``process 1 terminated with signal SIGABRT`` at the end of a ``ddp_spawn`` test run;
+a gdb backtrace shows ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop``.
+
+Destroying the group from an ``atexit`` handler joins those threads while Python is still
+whole. Lightning registers the same handler, but only for nccl
+(``lightning.fabric.utilities.distributed._init_dist_connection``).
+"""
+
+from __future__ import annotations
+
+import atexit
+
+import torch.distributed as dist
+
+
+def destroy_default_group() -> None:
+    """Destroy the default process group if one is alive (safe to call more than once)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_default_group_at_exit() -> None:
+    """Register :func:`destroy_default_group` to run at interpreter exit, once per process."""
+    atexit.unregister(destroy_default_group)  # a sweep sets up a group per job: keep one handler
+    atexit.register(destroy_default_group)
