@@ -11,6 +11,12 @@ a gdb backtrace shows ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop``.
 Destroying the group from an ``atexit`` handler joins those threads while Python is still
 whole. Lightning registers the same handler, but only for nccl
 (``lightning.fabric.utilities.distributed._init_dist_connection``).
+
+The price: destroying waits for collectives still in flight. A rank that fails with an async
+collective outstanding exits only once its peers join it (or the group's timeout passes); in a
+check here, a rank that raised after ``all_reduce(async_op=True)`` exited when its peer joined 20 s
+later, instead of at once. Peers that run the same code join promptly, so only a job that was
+already deadlocked waits for the timeout.
 """
 
 from __future__ import annotations
