@@ -162,6 +162,10 @@ def test_ddp_spawn_returns_metrics_to_parent(make_cfg):
     metrics, objects = train(cfg)
     assert 0.0 < float(metrics["test/acc"]) <= 1.0 and "val/acc" in metrics
     assert Path(objects["trainer"].checkpoint_callback.best_model_path).is_file()
+    # fit and test are separate launches: each rank-0 CSV logger takes the next version (README, Strategies)
+    logs = {v: (Path(cfg.paths.output_dir) / "csv" / v / "metrics.csv").read_text().splitlines()[0].split(",")
+            for v in ("version_0", "version_1")}
+    assert "val/acc" in logs["version_0"] and "test/acc" in logs["version_1"]
 
 
 TINY_RUN = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_train_batches=6",

@@ -78,3 +78,16 @@ def test_pipeline_resumes_from_its_checkpoint(pipeline_run, tmp_path):
     resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert saved["epoch"] == 0 and resumed["epoch"] == 1
     assert resumed["global_step"] == saved["global_step"] + 10
+
+
+@pytest.mark.slow
+def test_pipeline_with_spawned_ranks(tmp_path):
+    """`start_method: spawn` pickles the trainer, with the strategy's launcher and checks, into each rank."""
+    proc = run_entry("train", "trainer=pipeline", "trainer.devices=2", "trainer.strategy.start_method=spawn", *COMMON,
+                     "+trainer.limit_train_batches=4", "+trainer.limit_val_batches=2", "+trainer.limit_test_batches=2",
+                     f"hydra.run.dir={tmp_path}", timeout=600)
+    _ok(proc)
+    # Each spawn launch (fit, then test) is a fresh process whose CSV logger takes the next free version.
+    with open(tmp_path / "csv" / "version_1" / "metrics.csv") as file:
+        test_acc = [float(row["test/acc"]) for row in csv.DictReader(file) if row.get("test/acc")]
+    assert len(test_acc) == 1 and 0.0 < test_acc[0] <= 1.0

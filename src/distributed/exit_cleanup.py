@@ -9,7 +9,9 @@ CI as ``process 1 terminated with signal SIGABRT`` at the end of a ``ddp_spawn``
 a gdb backtrace shows ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop``.
 
 Destroying the group from an ``atexit`` handler joins those threads while Python is still
-whole. Lightning registers the same handler, but only for nccl
+whole. A sub-group's threads are joined only when its last Python reference goes, so objects
+that hold sub-groups (the pipeline's mesh, metrics synced over a sub-group) register a
+*release* that drops those references first (:func:`release_before_destroy`). Lightning registers the same handler, but only for nccl
 (``lightning.fabric.utilities.distributed._init_dist_connection``).
 
 The price: destroying waits for collectives still in flight. A rank that fails with an async
@@ -22,14 +24,46 @@ already deadlocked waits for the timeout.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import signal
+import threading
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
+_releases: list[weakref.WeakMethod] = []
+
+
+def release_before_destroy(release: Callable[[], None]) -> None:
+    """Call the bound method ``release`` before the group is destroyed, if its object still lives.
+
+    Held weakly, so registering does not keep a strategy (or anything else) alive.
+    """
+    _releases.append(weakref.WeakMethod(release))
+
 
 def destroy_default_group() -> None:
-    """Destroy the default process group if one is alive (safe to call more than once)."""
+    """Run the registered releases, then destroy the default group and its sub-groups (idempotent)."""
+    while _releases:
+        release = _releases.pop()()
+        if release is not None:
+            release()
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        with _sigint_ignored():  # as Lightning's handler: a Ctrl+C must not cut the teardown short
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def destroy_default_group_at_exit() -> None:

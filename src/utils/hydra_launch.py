@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-import torch.distributed as dist
+from src.distributed.exit_cleanup import destroy_default_group
 
 # Hydra overrides that describe the parent's sweep, not the job a child must join.
 _PARENT_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.job.", "hydra.output_subdir",
@@ -66,7 +66,6 @@ def isolated_job() -> Iterator[None]:
     try:
         yield
     finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_default_group()
         os.environ.clear()
         os.environ.update(saved)

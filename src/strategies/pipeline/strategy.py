@@ -43,6 +43,7 @@ from rich.console import Console
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from src.distributed.exit_cleanup import release_before_destroy
 from src.strategies.ddp import DDPStrategy
 from src.strategies.pipeline import checkpoint as ckpt
 from src.strategies.pipeline.grads import add_grads, reduce_grads, take_grads
@@ -58,6 +59,21 @@ from src.strategies.pipeline.partition import (
 from src.strategies.pipeline.runner import PipelineRunner
 from src.strategies.pipeline.schedule import canonical_schedule, check_schedule, stage_indices
 from src.utils.errors import CheckpointError, ConfigError
+
+
+class _CheckedLaunch:
+    """A launcher's ``launch`` preceded by the strategy's pre-flight checks.
+
+    A class, not a closure: ``start_method=spawn`` pickles the trainer, and with it the launcher.
+    """
+
+    def __init__(self, strategy: PipelineStrategy, launcher: Any) -> None:
+        self.strategy, self.launcher = strategy, launcher
+
+    def __call__(self, function: Any, *args: Any, trainer: pl.Trainer, **kwargs: Any) -> Any:
+        self.strategy._preflight(trainer)
+        self.strategy._check_batch_size([a for a in args if isinstance(a, pl.LightningDataModule)])
+        return type(self.launcher).launch(self.launcher, function, *args, trainer=trainer, **kwargs)
 
 
 class PipelineStrategy(DDPStrategy):
@@ -134,17 +150,10 @@ class PipelineStrategy(DDPStrategy):
         self._layout = None
         check_schedule(self.schedule, self.n_microbatches, self.stages_per_rank, self.layout.pp)
         super()._configure_launcher()
-        launch = self._launcher.launch
-
         # The model is only attached at fit/validate/test time, right before launching: check it
         # then, in the launching process, so a bad model fails once instead of in every rank.
         # (Wrapping the method keeps the launcher's class, which Lightning checks with isinstance.)
-        def launch_checked(function: Any, *args: Any, trainer: pl.Trainer, **kwargs: Any) -> Any:
-            self._preflight(trainer)
-            self._check_batch_size([a for a in args if isinstance(a, pl.LightningDataModule)])
-            return launch(function, *args, trainer=trainer, **kwargs)
-
-        self._launcher.launch = launch_checked
+        self._launcher.launch = _CheckedLaunch(self, self._launcher)
 
     def _preflight(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.PREDICTING:
@@ -198,6 +207,16 @@ class PipelineStrategy(DDPStrategy):
         super().setup_environment()
         if self._mesh is None:
             self._mesh = build_mesh(self.root_device.type, self.layout)
+            release_before_destroy(self._release_groups)
+
+    def _release_groups(self) -> None:
+        """Drop this strategy's references to the mesh's sub-groups, so destroying the group joins their threads."""
+        module = self._lightning_module
+        if module is not None:
+            for metric in module.modules():
+                if isinstance(metric, Metric):
+                    metric.process_group = None
+        self._mesh = self._runner = None
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
