@@ -61,6 +61,13 @@ from src.strategies.pipeline.schedule import canonical_schedule, check_schedule,
 from src.utils.errors import CheckpointError, ConfigError
 
 
+def _sync_metrics_over(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Point every torchmetrics state in ``module`` at ``group`` (``None``: the default group)."""
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            metric.process_group = group
+
+
 class _CheckedLaunch:
     """A launcher's ``launch`` preceded by the strategy's pre-flight checks.
 
@@ -211,11 +218,8 @@ class PipelineStrategy(DDPStrategy):
 
     def _release_groups(self) -> None:
         """Drop this strategy's references to the mesh's sub-groups, so destroying the group joins their threads."""
-        module = self._lightning_module
-        if module is not None:
-            for metric in module.modules():
-                if isinstance(metric, Metric):
-                    metric.process_group = None
+        if self._lightning_module is not None:
+            _sync_metrics_over(self._lightning_module, None)
         self._mesh = self._runner = None
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -225,9 +229,7 @@ class PipelineStrategy(DDPStrategy):
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         self._split(module, trainer)
-        for metric in module.modules():
-            if isinstance(metric, Metric):  # see module docstring: sync over replicas, not stages
-                metric.process_group = self._mesh.dp_group
+        _sync_metrics_over(module, self._mesh.dp_group)  # see module docstring: over replicas, not stages
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
