@@ -24,9 +24,9 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from src.distributed.sigterm_check import sync_sigterm_every  # noqa: E402
 from src.strategies import register_strategies  # noqa: E402
 from src.strategies.checks import check_trainer_config  # noqa: E402
+from src.strategies.sigterm import sync_sigterm_every  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
 from src.utils.config_checks import check_batch_size, check_model_data_pair, check_no_earlier_checkpoints  # noqa: E402
 from src.utils.hydra_launch import isolated_job, patch_lightning_launcher  # noqa: E402

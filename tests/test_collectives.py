@@ -2,7 +2,7 @@
 
 Multi-process tests run real gloo ranks (``tests.helpers.multiprocess.run_workers``); to keep start-up
 costs down one spawn runs many checks and returns everything the assertions need. The rank functions are
-in ``tests/test_collectives_workers.py``.
+in ``tests/helpers/collectives_workers.py``.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from src.distributed.collectives.suite import (
     reduction_input,
 )
 from src.distributed.collectives.sync_sgd import DataPartitioner, partition_dataset
-from src.distributed.ports import find_free_port
 from src.strategies.ddp import DDPStrategy
+from src.strategies.ports import find_free_port
 from src.utils.errors import ConfigError
-from tests import test_collectives_workers as workers
+from tests.helpers import collectives_workers as workers
 from tests.helpers.multiprocess import run_workers
 from tests.helpers.run_if import requires_2_gpus, requires_nccl
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.distributed.ports import find_free_port
+from src.strategies.ports import find_free_port
 from tests.helpers.config import ROOT, compose_cfg
 from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers

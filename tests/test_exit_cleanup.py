@@ -1,4 +1,4 @@
-"""A rank that returns right after a collective must exit cleanly (src.distributed.exit_cleanup).
+"""A rank that returns right after a collective must exit cleanly (src.strategies.exit_cleanup).
 
 Without the exit handler a gloo rank can die with SIGABRT while Python shuts down: a process
 group's worker thread still releases the last collective's tensors and needs the GIL. The race
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from src.distributed.ports import find_free_port
+from src.strategies.ports import find_free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 

@@ -396,8 +396,8 @@ def test_pipeline_times_data_parallel_2x2():
 
 @pytest.mark.slow
 def test_benchmark_script_runs(tmp_path):
-    """scripts/bench_pipeline.py end to end on a tiny model (numbers meaningless): table and JSON come out."""
-    from scripts.bench_pipeline import markdown, run
+    """scripts/bench/pipeline_worker.py end to end on a tiny model (numbers meaningless): table and JSON come out."""
+    from scripts.bench.pipeline_worker import markdown, run
 
     result = run(out=tmp_path, width=32, depth=2, batch=16, steps=1, warmup=1, rounds=1, micro_batches=(1, 2))
     assert [r["m"] for r in result["rows"]] == [1, 2] and result["rows"][1]["ideal"] == pytest.approx(4 / 3)

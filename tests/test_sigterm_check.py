@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from src.distributed.ports import find_free_port
-from src.distributed.sigterm_check import SigtermNote, SigtermSync, sync_sigterm_every
+from src.strategies.ports import find_free_port
+from src.strategies.sigterm import SigtermNote, SigtermSync, sync_sigterm_every
 from src.utils.errors import ConfigError
 from tests.helpers.config import ROOT
 

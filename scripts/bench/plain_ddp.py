@@ -24,7 +24,7 @@ from torch.utils.data import BatchSampler, DistributedSampler
 
 from scripts.bench.plain_loop import build_mlp, load_split, normalize, train_val_split, work_arguments
 from scripts.bench.timeline import Timeline, rank_path
-from src.distributed.ports import find_free_port
+from src.strategies.ports import find_free_port
 
 
 def setup(rank: int, world_size: int, port: int) -> None:

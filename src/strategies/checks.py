@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from src.distributed.ports import port_in_use
+from src.strategies.ports import port_in_use
 from src.utils.errors import ConfigError
 
 _GPU_NAMES = ("gpu", "cuda")

@@ -1,7 +1,7 @@
 """``DDPStrategy``: Lightning's DDP, plus a process group that is torn down before Python exits.
 
 Lightning leaves a gloo process group alive until interpreter shutdown, which can abort a rank
-that exits right after a collective (see :mod:`src.distributed.exit_cleanup`). Everything
+that exits right after a collective (see :mod:`src.strategies.exit_cleanup`). Everything
 else, the launchers (``popen``/``spawn``), cluster environments and gradient sync, is
 Lightning's own.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
-from src.distributed.exit_cleanup import destroy_default_group_at_exit
+from src.strategies.exit_cleanup import destroy_default_group_at_exit
 
 
 class DDPStrategy(LightningDDPStrategy):

@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from src.distributed.exit_cleanup import destroy_default_group
+from src.strategies.exit_cleanup import destroy_default_group
 
 # Hydra overrides that describe the parent's sweep, not the job a child must join.
 _PARENT_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.job.", "hydra.output_subdir",

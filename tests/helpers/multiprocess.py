@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from src.distributed.ports import find_free_port
+from src.strategies.ports import find_free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from src.distributed.ports import find_free_port, port_in_use
+from src.strategies.ports import find_free_port, port_in_use
 from src.utils.errors import ConfigError
 
 MODES = ("blocking", "non_blocking", "all_reduce", "check", "bench", "ring", "sgd")

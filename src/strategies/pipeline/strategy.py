@@ -43,8 +43,8 @@ from rich.console import Console
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from src.distributed.exit_cleanup import release_before_destroy
 from src.strategies.ddp import DDPStrategy
+from src.strategies.exit_cleanup import release_before_destroy
 from src.strategies.pipeline import checkpoint as ckpt
 from src.strategies.pipeline.grads import add_grads, reduce_grads, take_grads
 from src.strategies.pipeline.mesh import Layout, PipelineMesh, build_mesh, resolve_layout

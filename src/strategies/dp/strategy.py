@@ -33,7 +33,7 @@ from lightning.pytorch.plugins import LayerSync
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
-from src.strategies.dp_parallel import (
+from src.strategies.dp.shards import (
     ShardRunner,
     batch_size_of,
     bound_forwards,

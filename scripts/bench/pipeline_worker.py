@@ -1,6 +1,6 @@
 """Benchmark: pipeline throughput against the unsplit model, and efficiency against the ideal speedup.
 
-    python scripts/bench_pipeline.py --out benchmarks/pipeline          # Markdown table + results.json
+    python -m scripts.bench.pipeline_worker --out benchmarks/pipeline          # Markdown table + results.json
 
 For ``p`` stages and ``m`` micro-batches a pipeline is busy ``m`` of every ``m + p - 1`` slots
 (the GPipe/1F1B bubble is ``(p - 1) / (m + p - 1)``), so its ideal speedup over one device is
@@ -47,11 +47,11 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from src.distributed.ports import find_free_port  # noqa: E402
 from src.strategies.pipeline.mesh import Layout, build_mesh  # noqa: E402
 from src.strategies.pipeline.partition import plan_stages  # noqa: E402
 from src.strategies.pipeline.runner import PipelineRunner  # noqa: E402
 from src.strategies.pipeline.schedule import canonical_schedule, check_schedule  # noqa: E402
+from src.strategies.ports import find_free_port  # noqa: E402
 
 DEFAULTS: dict[str, Any] = dict(
     micro_batches=(1, 2, 4, 8), stages=2, width=1024, depth=8, batch=1024, steps=3, warmup=1, rounds=3,
