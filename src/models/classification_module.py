@@ -31,8 +31,10 @@ class ClassificationModule(StepModule):
         scheduler: Any | None = None,
         num_classes: int = 10,
         compile: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
-        super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile)
+        super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile,
+                         compile_backend=compile_backend)
         for stage in STAGES:  # train_loss, val_loss, test_loss, train_acc, ...
             setattr(self, f"{stage}_loss", SampleMean())
             setattr(self, f"{stage}_acc", MulticlassAccuracy(num_classes, average="micro", validate_args=False))

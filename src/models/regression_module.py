@@ -17,8 +17,16 @@ class RegressionModule(StepModule):
 
     best_of = "loss"  # val/loss_best
 
-    def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, compile: bool = False) -> None:
-        super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile)
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Any,
+        scheduler: Any | None = None,
+        compile: bool = False,
+        compile_backend: str = "inductor",
+    ) -> None:
+        super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile,
+                         compile_backend=compile_backend)
         for stage in STAGES:  # train_loss, val_loss, test_loss
             setattr(self, f"{stage}_loss", SampleMean())
         self.val_loss_best = MinMetric()

@@ -56,7 +56,14 @@ class StepModule(LightningModule):
 
     best_of: str | None = None
 
-    def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, compile: bool = False) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Any,
+        scheduler: Any | None = None,
+        compile: bool = False,
+        compile_backend: str = "inductor",
+    ) -> None:
         super().__init__()
         # Only plain values go into the checkpoint's hparams, so it loads with torch.load(weights_only=True):
         # `net` is in the state dict already, and the optimizer/scheduler partials are code, not data.
@@ -64,6 +71,7 @@ class StepModule(LightningModule):
         self.net = net
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
+        self.net_compiled = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets `_current_fx_name` (a hook name) before and after every hook it calls, ~40 times
@@ -124,8 +132,20 @@ class StepModule(LightningModule):
     def setup(self, stage: str) -> None:
         if stage == "fit":
             use_runtime_cuda_check_without_gpus()
-        if self.hparams.compile and stage == "fit":
-            self.net = torch.compile(self.net)
+        if self.hparams.compile:
+            self.compile_net()
+
+    def compile_net(self) -> None:
+        """Compile ``net`` in place with ``nn.Module.compile``, once per module, for every stage.
+
+        ``self.net = torch.compile(self.net)`` would wrap the net, prefixing its state-dict keys with
+        ``_orig_mod.``: a compiled run's checkpoint would then fit no fresh model (resume and eval would
+        reject it), and a second ``fit`` would wrap the wrapper. Compiling in place keeps the net's own
+        keys, so a checkpoint is the same with compile on or off.
+        """
+        if not self.net_compiled:
+            self.net.compile(backend=self.hparams.compile_backend)
+            self.net_compiled = True
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
