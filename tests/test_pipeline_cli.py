@@ -31,7 +31,8 @@ def _ok(proc) -> None:
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pipeline_fashion")
-    _ok(run_entry("train", "trainer=pipeline", "trainer.devices=2", *COMMON, f"hydra.run.dir={out}", timeout=600))
+    _ok(run_entry("train", "trainer=pipeline", "trainer.devices=2", "trainer.accelerator=cpu", *COMMON,
+                  f"hydra.run.dir={out}", timeout=600))
     return out
 
 
@@ -45,7 +46,8 @@ def test_pipeline_training_matches_one_device(pipeline_run, tmp_path):
     ``RandomSampler`` instead: another order, and one epoch's accuracy moves by ~1.5 points
     with the order alone).
     """
-    _ok(run_entry("train", "trainer=ddp", "trainer.devices=1", *COMMON, f"hydra.run.dir={tmp_path}", timeout=600))
+    _ok(run_entry("train", "trainer=ddp", "trainer.devices=1", "trainer.accelerator=cpu", *COMMON,
+                  f"hydra.run.dir={tmp_path}", timeout=600))
     piped, single = _test_metrics(pipeline_run), _test_metrics(tmp_path)
     assert single["test/acc"] > 0.80  # a real, learnt model
     assert abs(piped["test/acc"] - single["test/acc"]) <= 0.005, (piped, single)
@@ -70,7 +72,8 @@ def test_pipeline_resumes_from_its_checkpoint(pipeline_run, tmp_path):
     """Proof 3b: resuming a pipeline run restores weights, optimizer and loops, and continues from the saved step."""
     last = pipeline_run / "checkpoints" / "last.ckpt"
     saved = torch.load(last, map_location="cpu", weights_only=False)
-    proc = run_entry("train", "trainer=pipeline", "trainer.devices=2", *COMMON, "trainer.max_epochs=2",
+    proc = run_entry("train", "trainer=pipeline", "trainer.devices=2", "trainer.accelerator=cpu", *COMMON,
+                     "trainer.max_epochs=2",
                      "+trainer.limit_train_batches=10", "+trainer.limit_val_batches=5", "test=false",
                      f"ckpt_path={last}", f"hydra.run.dir={tmp_path}", timeout=600)
     _ok(proc)
@@ -83,7 +86,8 @@ def test_pipeline_resumes_from_its_checkpoint(pipeline_run, tmp_path):
 @pytest.mark.slow
 def test_pipeline_with_spawned_ranks(tmp_path):
     """`start_method: spawn` pickles the trainer, with the strategy's launcher and checks, into each rank."""
-    proc = run_entry("train", "trainer=pipeline", "trainer.devices=2", "trainer.strategy.start_method=spawn", *COMMON,
+    proc = run_entry("train", "trainer=pipeline", "trainer.devices=2", "trainer.accelerator=cpu",
+                     "trainer.strategy.start_method=spawn", *COMMON,
                      "+trainer.limit_train_batches=4", "+trainer.limit_val_batches=2", "+trainer.limit_test_batches=2",
                      f"hydra.run.dir={tmp_path}", timeout=600)
     _ok(proc)

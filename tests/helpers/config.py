@@ -15,9 +15,12 @@ from src.utils.resolvers import register_resolvers
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs"
 
-# Small, CPU-only defaults so a fit + test takes a few seconds.
+# Small, CPU-only defaults so a fit + test takes a few seconds. The accelerator is forced after the trainer
+# group, so `trainer=ddp`/`dp`/`pipeline` (accelerator: auto) stay on the CPU too; a GPU test adds
+# `trainer.accelerator=gpu` to its overrides, which come later and win.
 TINY = [
     "trainer=cpu",
+    "trainer.accelerator=cpu",
     "trainer.max_epochs=1",
     "++trainer.limit_train_batches=8",
     "++trainer.limit_val_batches=4",
