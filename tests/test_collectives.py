@@ -22,15 +22,15 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from src.distributed.collectives.benchmark import (
+from src.collectives.benchmark import (
     BenchRow,
     busbw_factor,
     format_size,
     parse_size,
     size_sweep,
 )
-from src.distributed.collectives.callback import CollectivesCheck
-from src.distributed.collectives.checks import (
+from src.collectives.callback import CollectivesCheck
+from src.collectives.checks import (
     FAILED,
     PASSED,
     SKIPPED,
@@ -39,18 +39,18 @@ from src.distributed.collectives.checks import (
     merge_results,
     select_checks,
 )
-from src.distributed.collectives.launch import plan_from_config
-from src.distributed.collectives.report import save_benchmark
-from src.distributed.collectives.ring import chunk_bounds
-from src.distributed.collectives.runtime import all_gather_tensor
-from src.distributed.collectives.suite import (
+from src.collectives.launch import plan_from_config
+from src.collectives.report import save_benchmark
+from src.collectives.ring import chunk_bounds
+from src.collectives.runtime import all_gather_tensor
+from src.collectives.suite import (
     ALL_CHECKS,
     BITWISE_OPS,
     CHECK_NAMES,
     reduction_expected,
     reduction_input,
 )
-from src.distributed.collectives.sync_sgd import DataPartitioner, partition_dataset
+from src.collectives.sync_sgd import DataPartitioner, partition_dataset
 from src.strategies.ddp import DDPStrategy
 from src.strategies.ports import find_free_port
 from src.utils.errors import ConfigError
@@ -322,14 +322,15 @@ def test_callback_in_a_two_process_ddp_spawn_fit(tmp_path):
             "comm/ring_all_reduce/busbw_GBps"} <= set(header)
 
 
-def _run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "src" / "collectives.py"), *args], cwd=cwd,
+def _run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python -m src.collectives ARGS`` from the repository root, as the README runs it."""
+    return subprocess.run([sys.executable, "-m", "src.collectives", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.slow
 def test_entry_point_check_mode(tmp_path):
-    proc = _run_cli("mode=check", "nproc=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    proc = _run_cli("mode=check", "nproc=2", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     saved = json.loads((tmp_path / "collectives_check.json").read_text())
     assert saved["counts"]["failed"] == 0 and saved["world_size"] == 2
@@ -337,7 +338,7 @@ def test_entry_point_check_mode(tmp_path):
 
 @pytest.mark.slow
 def test_entry_point_bad_option_is_one_line(tmp_path):
-    proc = _run_cli("nproc=0", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    proc = _run_cli("nproc=0", f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines == ["error: nproc=0 must be an integer >= 1"]

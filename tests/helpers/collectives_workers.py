@@ -13,12 +13,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from src.distributed.collectives.benchmark import benchmark_sweep
-from src.distributed.collectives.checks import Check, run_checks
-from src.distributed.collectives.report import save_benchmark
-from src.distributed.collectives.ring import compare_with_all_reduce, ring_all_reduce
-from src.distributed.collectives.runtime import CollectiveError, CollectiveTimeoutError
-from src.distributed.collectives.sync_sgd import compare_with_ddp
+from src.collectives.benchmark import benchmark_sweep
+from src.collectives.checks import Check, run_checks
+from src.collectives.report import save_benchmark
+from src.collectives.ring import compare_with_all_reduce, ring_all_reduce
+from src.collectives.runtime import CollectiveError, CollectiveTimeoutError
+from src.collectives.suite import run_suite
+from src.collectives.sync_sgd import compare_with_ddp
 
 
 def faulty_all_reduce(ctx):
@@ -70,7 +71,7 @@ def many_checks(rank: int, world_size: int, out_dir: str) -> dict:
     out: dict = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = run_checks(timeout_s=30)
+        report = run_suite(timeout_s=30)
     out["results"] = [(r.op, r.status, r.reason) for r in report.results]
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning | FutureWarning)]
     out["ring"] = ring_cases(world_size)
@@ -113,7 +114,7 @@ def nccl_suite(rank: int, world_size: int, port: int) -> list[tuple[str, str, st
     torch.cuda.set_device(rank)
     dist.destroy_process_group()
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    report = run_checks(timeout_s=60)
+    report = run_suite(timeout_s=60)
     x = torch.arange(1 << 20, dtype=torch.float32, device=f"cuda:{rank}") * (rank + 1)
     y = x.clone()
     ring_all_reduce(x)

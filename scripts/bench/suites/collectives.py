@@ -1,4 +1,4 @@
-"""Collectives: runs ``python src/collectives.py mode=bench`` (the collectives module's benchmark) when present."""
+"""Collectives: runs ``python -m src.collectives mode=bench`` (the collectives room's benchmark) when present."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ from scripts.bench import contenders
 from scripts.bench.contenders import ROOT
 from scripts.bench.context import Bench, SuiteResult
 
-ENTRY = ROOT / "src" / "collectives.py"
+ENTRY = ROOT / "src" / "collectives" / "__main__.py"  # run as `python -m src.collectives`
 QUICK = ["bench.min_size=1KB", "bench.max_size=4MB", "bench.factor=16", "bench.iters=10", "bench.warmup=2"]
 
 
 def run(bench: Bench) -> SuiteResult:
-    result = SuiteResult("collectives", "Collectives (python src/collectives.py mode=bench)")
+    result = SuiteResult("collectives", "Collectives (python -m src.collectives mode=bench)")
     if not ENTRY.exists():
-        result.notes.append("not available: src/collectives.py is missing")
+        result.notes.append(f"not available: {ENTRY} is missing")
         return result
     out_dir = bench.out / "collectives"
     n = bench.settings.nproc
-    cmd = [sys.executable, str(ENTRY), "mode=bench", f"nproc={n}", f"hydra.run.dir={out_dir}",
+    cmd = [sys.executable, "-m", "src.collectives", "mode=bench", f"nproc={n}", f"hydra.run.dir={out_dir}",
            *([] if bench.settings.full else QUICK)]
     log = bench.out / "logs" / "collectives.log"
     with open(log, "wb") as fh:

@@ -1,4 +1,4 @@
-"""Start the ranks of ``python src/collectives.py``: spawn ``nproc`` local processes, or join the ranks an
+"""Start the ranks of ``python -m src.collectives``: spawn ``nproc`` local processes, or join the ranks an
 external launcher (torchrun, srun, mpirun) already started. Every configuration error is found here,
 before any process starts, and raised as a one-line :class:`~src.utils.errors.ConfigError`.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from src.strategies.ports import find_free_port, port_in_use
+from src.collectives.modes import run_mode, validate_options
 from src.utils.errors import ConfigError
 
 MODES = ("blocking", "non_blocking", "all_reduce", "check", "bench", "ring", "sgd")
@@ -90,7 +90,7 @@ def resolve_backend(requested: str, world_size: int, spawning: bool) -> str:
         if not dist.is_mpi_available():
             raise ConfigError("backend=mpi: this torch build has no MPI support; use backend=gloo")
         if spawning:
-            raise ConfigError("backend=mpi: start the ranks with `mpirun -np N python src/collectives.py backend=mpi`")
+            raise ConfigError("backend=mpi: start the ranks with `mpirun -np N python -m src.collectives backend=mpi`")
     if requested == "gloo" and not dist.is_gloo_available():
         raise ConfigError("backend=gloo: this torch build has no gloo; use backend=nccl or mpi")
     return requested
@@ -111,6 +111,8 @@ def check_init_method(init_method: str, spawning: bool) -> str:
             port = None
         if not url.hostname or not port:
             raise ConfigError(f"init_method={init_method} needs a host and a port, e.g. tcp://127.0.0.1:29500")
+        from src.strategies.ports import port_in_use  # lazily: the strategies package loads Lightning
+
         if spawning and url.hostname in ("127.0.0.1", "localhost") and port_in_use(port, url.hostname):
             raise ConfigError(f"init_method={init_method}: port {port} is already in use; pick another port")
         return str(init_method)
@@ -126,8 +128,6 @@ def check_init_method(init_method: str, spawning: bool) -> str:
 
 def run_rank(local_rank: int, plan: LaunchPlan, rank: int, world_size: int) -> None:
     """Join the process group as ``rank``, run the mode, leave the group."""
-    from src.distributed.collectives.modes import run_mode
-
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
     if plan.backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -155,6 +155,8 @@ def launch(plan: LaunchPlan) -> None:
         run_rank(ext.local_rank, plan, ext.rank, ext.world_size)
         return
     if plan.init_method == "env://":  # a fresh port per launch: no clash with a stale or parallel run
+        from src.strategies.ports import find_free_port  # lazily, as above: spawned ranks skip Lightning
+
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
     try:
         mp.spawn(_spawned, args=(plan,), nprocs=plan.world_size, join=True)
@@ -175,8 +177,6 @@ def _last_error_line(traceback_text: str) -> str:
 def plan_from_config(cfg: Any, out_dir: str | os.PathLike) -> LaunchPlan:
     """Validate the whole config (mode, backend, init method, world size, mode options) into a plan."""
     from omegaconf import OmegaConf
-
-    from src.distributed.collectives.modes import validate_options
 
     conf = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     mode = str(conf.get("mode"))

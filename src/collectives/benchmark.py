@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from src.distributed.collectives.checks import is_unsupported
-from src.distributed.collectives.ring import ring_all_reduce
-from src.distributed.collectives.runtime import (
+from src.collectives.checks import is_unsupported
+from src.collectives.ring import ring_all_reduce
+from src.collectives.runtime import (
     all_gather_tensor,
     backend_name,
     comm_device,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from src.distributed.collectives.runtime import comm_device
+from src.collectives.runtime import comm_device
 
 __all__ = ["DataPartitioner", "Partition", "average_gradients", "compare_with_ddp", "partition_dataset",
            "train_sync_sgd"]

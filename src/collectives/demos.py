@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from src.distributed.collectives.runtime import comm_device
+from src.collectives.runtime import comm_device
 
 
 def _payload(device: torch.device) -> torch.Tensor:

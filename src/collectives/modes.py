@@ -1,4 +1,4 @@
-"""What each ``mode=`` of ``python src/collectives.py`` does on every rank (rank 0 prints and writes files)."""
+"""What each ``mode=`` of ``python -m src.collectives`` does on every rank (rank 0 prints and writes files)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from src.distributed.collectives.benchmark import (
+from src.collectives.benchmark import (
     DEFAULT_OPS,
     benchmark_sweep,
     busbw_factor,
@@ -22,19 +22,19 @@ from src.distributed.collectives.benchmark import (
     ring_ratio,
     size_sweep,
 )
-from src.distributed.collectives.checks import run_checks, select_checks
-from src.distributed.collectives.demos import DEMOS, gather_lines
-from src.distributed.collectives.report import (
+from src.collectives.checks import select_checks
+from src.collectives.demos import DEMOS, gather_lines
+from src.collectives.report import (
     bench_table,
     check_table,
     print_table,
     save_benchmark,
     write_json,
 )
-from src.distributed.collectives.ring import compare_with_all_reduce
-from src.distributed.collectives.runtime import CollectiveError, comm_device
-from src.distributed.collectives.suite import ALL_CHECKS
-from src.distributed.collectives.sync_sgd import compare_with_ddp, train_sync_sgd
+from src.collectives.ring import compare_with_all_reduce
+from src.collectives.runtime import CollectiveError, comm_device
+from src.collectives.suite import ALL_CHECKS, run_suite
+from src.collectives.sync_sgd import compare_with_ddp, train_sync_sgd
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
@@ -135,7 +135,7 @@ def run_demo(plan: Any) -> None:
 
 
 def run_check(plan: Any) -> None:
-    report = run_checks(only=plan.options.get("ops"), timeout_s=plan.timeout_s)
+    report = run_suite(only=plan.options.get("ops"), timeout_s=plan.timeout_s)
     if _is_rank0():
         print_table(check_table(report))
         path = write_json(Path(plan.out_dir) / "collectives_check.json", {"meta": _meta(plan), **report.to_dict()})

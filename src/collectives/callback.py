@@ -2,8 +2,8 @@
 
 It runs on the trainer's own default process group once the strategy has created it (ddp, ddp_spawn and
 DDPStrategy subclasses such as the pipeline strategy), needs nothing from the LightningModule, and stops
-the run with :class:`~src.distributed.collectives.runtime.CollectiveError` (wrong result) or
-:class:`~src.distributed.collectives.runtime.CollectiveTimeoutError` (a collective hung) whose message
+the run with :class:`~src.collectives.runtime.CollectiveError` (wrong result) or
+:class:`~src.collectives.runtime.CollectiveTimeoutError` (a collective hung) whose message
 names the operation, the ranks and expected vs received values.
 """
 
@@ -18,7 +18,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from src.distributed.collectives.benchmark import (
+from src.collectives.benchmark import (
     DEFAULT_OPS,
     BenchRow,
     benchmark_sweep,
@@ -26,9 +26,10 @@ from src.distributed.collectives.benchmark import (
     format_size,
     parse_size,
 )
-from src.distributed.collectives.checks import Check, CheckReport, run_checks
-from src.distributed.collectives.report import write_json
-from src.distributed.collectives.runtime import CollectiveError, is_distributed
+from src.collectives.checks import Check, CheckReport
+from src.collectives.report import write_json
+from src.collectives.runtime import CollectiveError, is_distributed
+from src.collectives.suite import run_suite
 from src.utils.errors import ConfigError
 
 TRIGGERS = ("setup", "fit_start")
@@ -52,7 +53,7 @@ class CollectivesCheck(Callback):
         ops: restrict the checks to these collectives or check names (None = all).
         benchmark: also time ``bench_ops`` at ``bench_sizes`` and log their bandwidth.
         filename: JSON written by global rank 0 into ``trainer.log_dir`` (or ``default_root_dir``).
-        extra_checks: additional :class:`~src.distributed.collectives.checks.Check` objects (e.g. your own).
+        extra_checks: additional :class:`~src.collectives.checks.Check` objects (e.g. your own).
     """
 
     def __init__(
@@ -121,7 +122,7 @@ class CollectivesCheck(Callback):
                                   "global_step": trainer.global_step, "time": time.time()}
         report: CheckReport | None = None
         try:
-            report = run_checks(only=self.ops, extra_checks=self.extra_checks, timeout_s=self.timeout_s)
+            report = run_suite(only=self.ops, extra_checks=self.extra_checks, timeout_s=self.timeout_s)
             record["checks"] = report.to_dict()
             self._summary(trigger, report)
             report.raise_if_failed()

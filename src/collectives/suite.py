@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from src.distributed.collectives.checks import Check, CheckContext
-from src.distributed.collectives.runtime import all_gather_tensor, reduce_scatter_tensor
+from src.collectives.checks import Check, CheckContext, CheckReport, run_checks
+from src.collectives.runtime import all_gather_tensor, reduce_scatter_tensor
 
 Outcome = tuple[torch.Tensor, torch.Tensor] | None
 
@@ -316,3 +316,15 @@ ALL_CHECKS: list[Check] = _build()
 """Every built-in check, in run order (point-to-point first, subgroups last)."""
 
 CHECK_NAMES: list[str] = [c.name for c in ALL_CHECKS]
+
+
+def run_suite(
+    *,
+    only: Sequence[str] | None = None,
+    extra_checks: Sequence[Check] = (),
+    timeout_s: float = 60.0,
+    gather: bool = True,
+) -> CheckReport:
+    """Run the built-in checks (:data:`ALL_CHECKS`, filtered by ``only``) plus ``extra_checks``; see
+    :func:`~src.collectives.checks.run_checks`."""
+    return run_checks(ALL_CHECKS, only=only, extra_checks=extra_checks, timeout_s=timeout_s, gather=gather)

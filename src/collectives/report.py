@@ -11,8 +11,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from src.distributed.collectives.benchmark import MEMCPY, BenchRow, format_size
-from src.distributed.collectives.checks import FAILED, PASSED, CheckReport
+from src.collectives.benchmark import MEMCPY, BenchRow, format_size
+from src.collectives.checks import FAILED, PASSED, CheckReport
 
 _STYLE = {PASSED: "green", FAILED: "bold red"}
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from src.distributed.collectives.runtime import (
+from src.collectives.runtime import (
     CollectiveError,
     backend_name,
     call_with_timeout,
@@ -235,24 +235,20 @@ def select_checks(checks: Iterable[Check], only: Sequence[str] | None) -> list[C
 
 
 def run_checks(
-    checks: Iterable[Check] | None = None,
+    checks: Iterable[Check],
     *,
     only: Sequence[str] | None = None,
     extra_checks: Iterable[Check] = (),
     timeout_s: float = 60.0,
     gather: bool = True,
 ) -> CheckReport:
-    """Run the correctness suite on the default process group; every rank must call it with the same arguments.
+    """Run ``checks`` on the default process group; every rank must call it with the same arguments.
 
-    ``checks`` defaults to the built-in suite (:data:`~src.distributed.collectives.suite.ALL_CHECKS`),
-    filtered by ``only``; ``extra_checks`` are appended. With ``gather`` every rank receives the merged
-    report (one object all-gather); otherwise the report holds this rank's own verdicts. A timeout raises
-    :class:`CollectiveTimeoutError` at once.
+    ``checks`` are filtered by ``only``; ``extra_checks`` are appended. With ``gather`` every rank receives
+    the merged report (one object all-gather); otherwise the report holds this rank's own verdicts. A
+    timeout raises :class:`CollectiveTimeoutError` at once. The built-in suite is
+    :func:`src.collectives.suite.run_suite`.
     """
-    if checks is None:
-        from src.distributed.collectives.suite import ALL_CHECKS
-
-        checks = ALL_CHECKS
     chosen = select_checks(checks, only) + list(extra_checks)
     ctx = make_context(timeout_s)
     start = time.perf_counter()
