@@ -35,6 +35,7 @@ from src.utils.instantiators import (  # noqa: E402
     instantiate_callbacks,
     instantiate_loggers,
 )
+from src.utils.logging_utils import log_hyperparameters  # noqa: E402
 from src.utils.pylogger import RankedLogger  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
 from src.utils.task import extras, get_metric_value, task_wrapper  # noqa: E402
@@ -71,6 +72,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     sync_sigterm_every(trainer, cfg.sigterm_check_every_n_batches)
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks,
                "logger": loggers, "trainer": trainer}
+    log_hyperparameters(objects)  # rank 0, once: config and parameter counts to every logger
 
     if cfg.get("train"):
         trainer.fit(model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))

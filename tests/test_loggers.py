@@ -1,0 +1,121 @@
+"""The composed config and the parameter counts reach every logger's files, once, from rank 0 (issue 13)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import yaml
+from lightning import Trainer
+from torch import nn
+
+from src.utils.logging_utils import HyperparameterLogger, log_hyperparameters
+from tests.helpers.entry import run_entry
+
+LR = 0.0123  # distinctive, so finding it proves it came from this run's config
+MLP_PARAMS = 28 * 28 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10  # default MLP: 784-512-256-10
+TINY = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=2",
+        "+trainer.limit_test_batches=2", "extras.print_config=false", f"model.optimizer.lr={LR}"]
+
+
+def _train(tmp_path: Path, *overrides: str) -> Path:
+    run_dir = tmp_path / "run"
+    proc = run_entry("train", *TINY, f"paths.log_dir={tmp_path}", f"hydra.run.dir={run_dir}", *overrides,
+                     env={"WANDB_SILENT": "true"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def _mlflow_params(tmp_path: Path) -> list[dict[str, str]]:
+    """Each MLflow run's params (file store: one file per param, the key's slashes as folders)."""
+    runs = [p.parent for p in (tmp_path / "mlflow" / "mlruns").glob("*/*/params")]
+    return [{str(f.relative_to(r / "params")): f.read_text() for f in (r / "params").rglob("*") if f.is_file()}
+            for r in runs]
+
+
+def _tensorboard_hparams(event_dir: Path) -> dict[str, object]:
+    """The hparams TensorBoard's HPARAMS tab shows: the session-start record in the event files."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    found: dict[str, object] = {}
+    for path in event_dir.glob("events.out.tfevents.*"):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "hparams":
+                    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+                    for key, hp in data.session_start_info.hparams.items():
+                        found[key] = getattr(hp, hp.WhichOneof("kind"))
+    return found
+
+
+def _wandb_config(run_file: Path) -> dict[str, object]:
+    """The config records of an offline W&B run file (a LevelDB-style log of protobuf records)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, header = run_file.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B"
+    config, pos, parts = {}, header, b""
+    while pos + header <= len(data):
+        if block - pos % block < header:  # a block's tail too short for a record header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + header])
+        parts += data[pos + header:pos + header + length]
+        pos += header + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record.FromString(parts)
+            parts = b""
+            if record.WhichOneof("record_type") == "config":
+                for item in record.config.update:
+                    config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return config
+
+
+@pytest.mark.slow
+def test_config_and_parameter_counts_reach_every_logger(tmp_path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    run = _train(tmp_path, "logger=[csv,tensorboard,mlflow,wandb]")
+
+    csv = yaml.safe_load((run / "csv" / "version_0" / "hparams.yaml").read_text())
+    assert csv["model"]["optimizer"]["lr"] == LR
+    assert csv["model/params/total"] == csv["model/params/trainable"] == MLP_PARAMS
+    assert csv["data"]["batch_size"] == 128 and csv["trainer"]["max_epochs"] == 1 and csv["seed"] == 12345
+
+    tb_dir = run / "tensorboard" / "version_0"
+    assert yaml.safe_load((tb_dir / "hparams.yaml").read_text())["model/params/total"] == MLP_PARAMS
+    tb = _tensorboard_hparams(tb_dir)
+    assert tb["model/optimizer/lr"] == pytest.approx(LR)
+    assert tb["model/params/total"] == MLP_PARAMS and tb["seed"] == 12345
+
+    (params,) = _mlflow_params(tmp_path)
+    assert float(params["model/optimizer/lr"]) == LR
+    assert int(params["model/params/total"]) == MLP_PARAMS and params["seed"] == "12345"
+    assert params["trainer/max_epochs"] == "1" and params["data/batch_size"] == "128"
+
+    (wandb_run,) = run.glob("wandb/offline-run-*/run-*.wandb")
+    wb = _wandb_config(wandb_run)
+    assert wb["model"]["optimizer"]["lr"] == LR
+    assert wb["model/params/total"] == MLP_PARAMS and wb["seed"] == 12345
+
+
+@pytest.mark.slow
+def test_hyperparameters_logged_once_from_rank_zero_under_ddp(tmp_path):
+    pytest.importorskip("mlflow")
+    run = _train(tmp_path, "trainer=ddp", "trainer.devices=2", "logger=[csv,mlflow]")
+    runs = _mlflow_params(tmp_path)
+    assert len(runs) == 1, "one MLflow run for the whole DDP job"
+    assert float(runs[0]["model/optimizer/lr"]) == LR and int(runs[0]["model/params/total"]) == MLP_PARAMS
+    hparams = list(run.glob("csv/*/hparams.yaml"))
+    assert len(hparams) == 1 and yaml.safe_load(hparams[0].read_text())["model/params/total"] == MLP_PARAMS
+
+
+@pytest.mark.fast
+def test_nothing_to_log_without_a_logger(cfg_train):
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    log_hyperparameters({"cfg": cfg_train, "model": nn.Linear(2, 2), "trainer": trainer})
+    assert not any(isinstance(cb, HyperparameterLogger) for cb in trainer.callbacks)
