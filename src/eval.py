@@ -22,11 +22,9 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from src.strategies import register_strategies  # noqa: E402
-from src.strategies.checks import check_trainer_config  # noqa: E402
+from src.strategies.preflight import check_config, preflight  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
-from src.utils.config_checks import check_model_data_pair  # noqa: E402
-from src.utils.hydra_launch import isolated_job, patch_lightning_launcher  # noqa: E402
+from src.utils.hydra_launch import isolated_job  # noqa: E402
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
 from src.utils.pylogger import RankedLogger  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
@@ -39,10 +37,7 @@ register_resolvers()
 @task_wrapper
 def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Test ``cfg.ckpt_path``; returns ``(metric_dict, object_dict)``."""
-    check_model_data_pair(cfg)
-    check_trainer_config(cfg.trainer)
-    register_strategies()
-    patch_lightning_launcher()
+    check_config(cfg)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
@@ -51,6 +46,7 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")), logger=instantiate_loggers(cfg.get("logger"))
     )
+    preflight(trainer, model, datamodule)
     log.info(f"Testing checkpoint {cfg.ckpt_path}")
     trainer.test(model=model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "trainer": trainer}

@@ -24,12 +24,10 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from src.strategies import register_strategies  # noqa: E402
-from src.strategies.checks import check_trainer_config  # noqa: E402
-from src.strategies.sigterm import sync_sigterm_every  # noqa: E402
+from src.strategies.preflight import check_config, preflight  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
-from src.utils.config_checks import check_batch_size, check_model_data_pair, check_no_earlier_checkpoints  # noqa: E402
-from src.utils.hydra_launch import isolated_job, patch_lightning_launcher  # noqa: E402
+from src.utils.config_checks import check_no_earlier_checkpoints  # noqa: E402
+from src.utils.hydra_launch import isolated_job  # noqa: E402
 from src.utils.instantiators import (  # noqa: E402
     drop_callbacks_needing_a_logger,
     instantiate_callbacks,
@@ -50,11 +48,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Returns ``(metric_dict, object_dict)`` so tests and sweeps can look inside.
     """
-    check_model_data_pair(cfg)
+    check_config(cfg)  # before anything is built
     check_no_earlier_checkpoints(cfg)
-    check_trainer_config(cfg.trainer)
-    register_strategies()
-    patch_lightning_launcher()
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)  # same seed on every rank: replicas start identical
 
@@ -68,8 +63,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     callbacks = drop_callbacks_needing_a_logger(instantiate_callbacks(cfg.get("callbacks")), loggers)
     log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
-    check_batch_size(datamodule, trainer)  # before any process is launched
-    sync_sigterm_every(trainer, cfg.sigterm_check_every_n_batches)
+    preflight(trainer, model, datamodule)  # before any process is launched (the project's launchers run it too)
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks,
                "logger": loggers, "trainer": trainer}
     log_hyperparameters(objects)  # rank 0, once: config and parameter counts to every logger

@@ -171,7 +171,7 @@ def test_impossible_combination_messages(make_cfg, capsys):
 def test_busy_master_port_is_reported(make_cfg, monkeypatch):
     import socket
 
-    from src.strategies.checks import check_trainer_config
+    from src.strategies.preflight import check_trainer_config
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from src.models.step_module import StepModule, use_runtime_cuda_check_without_gpus
+from src.models.step_module import StepModule
+from src.strategies.lightning_compat import cheap_cuda_check_without_gpus
 from src.train import train
 from tests.helpers.config import ROOT
 
@@ -36,10 +37,10 @@ def test_logging_metrics_once_per_epoch_gives_the_same_values(make_cfg, monkeypa
 def test_runtime_cuda_check_only_without_gpus(monkeypatch):
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    use_runtime_cuda_check_without_gpus()
+    cheap_cuda_check_without_gpus()
     assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # GPUs: keep Lightning's fork-safe check
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    use_runtime_cuda_check_without_gpus()
+    cheap_cuda_check_without_gpus()
     assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "0"
 
 

@@ -10,7 +10,7 @@ import pytest
 from lightning import Callback
 from lightning.pytorch.loggers import Logger
 
-from src.strategies import register_strategies
+import src.strategies  # noqa: F401  (registers the dp and pipeline names)
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers
 from tests.helpers.config import CONFIG_DIR
 
@@ -44,7 +44,6 @@ def test_model_options_instantiate(make_cfg, model):
 
 @pytest.mark.parametrize("trainer", options("trainer"))
 def test_trainer_options_instantiate(make_cfg, trainer):
-    register_strategies()
     cfg = make_cfg("train", [f"trainer={trainer}", "trainer.accelerator=cpu"])
     built = hydra.utils.instantiate(cfg.trainer)
     assert built.max_epochs == cfg.trainer.max_epochs

@@ -11,8 +11,9 @@ import time
 
 import pytest
 
+from src.strategies.ddp import DDPStrategy
 from src.strategies.ports import find_free_port
-from src.strategies.sigterm import SigtermNote, SigtermSync, sync_sigterm_every
+from src.strategies.sigterm import SigtermNote, SigtermSync, install_sigterm_agreement
 from src.utils.errors import ConfigError
 from tests.helpers.config import ROOT
 
@@ -59,13 +60,39 @@ def test_sigterm_to_rank_zero_only_stops_both_ranks_at_the_same_step(tmp_path, e
     assert "epoch 99:" not in out[0]  # stopped early, not at the end of training
 
 
+@pytest.mark.slow
+def test_plain_trainer_with_the_project_ddp_strategy_stops_both_ranks_at_the_same_step(tmp_path):
+    """The same guarantee without Hydra or src/train.py: a user's script builds Trainer(strategy=DDPStrategy())."""
+    port = str(find_free_port())
+    script = ROOT / "tests" / "helpers" / "plain_trainer_ddp.py"
+    procs, logs = [], [tmp_path / f"node{node}.log" for node in (0, 1)]
+    for node in (0, 1):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node),
+               "OMP_NUM_THREADS": "1"}
+        with open(logs[node], "w") as out:
+            procs.append(subprocess.Popen([sys.executable, str(script), "5"], cwd=tmp_path, env=env, stdout=out,
+                                          stderr=subprocess.STDOUT))
+    try:
+        _wait_for(logs[0], "TRAINING", timeout=180)
+        procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    out = [log.read_text(errors="replace") for log in logs]
+    assert codes == [0, 0], out[0][-1500:] + out[1][-1500:]
+    assert "Received SIGTERM" in out[0] and "Received SIGTERM" not in out[1]
+    stops = [re.findall(r"STOP rank=(\d) epoch=(\d+) step=(\d+)", text) for text in out]
+    assert [s[0][0] for s in stops] == ["0", "1"], out
+    assert stops[0][0][1:] == stops[1][0][1:]  # the same epoch and global step on both ranks
+    assert int(stops[0][0][2]) % 5 == 0  # stopped at an agreed check (every 5 batches)
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "10"])
 def test_bad_interval_is_a_config_error(bad):
-    from lightning import Trainer
-
     with pytest.raises(ConfigError, match="sigterm_check_every_n_batches"):
-        sync_sigterm_every(Trainer(logger=False, enable_checkpointing=False), bad)
+        DDPStrategy(sigterm_check_every_n_batches=bad)
 
 
 @pytest.mark.fast
@@ -73,11 +100,11 @@ def test_installed_on_multi_process_trainers_only():
     from lightning import Trainer
 
     single = Trainer(logger=False, enable_checkpointing=False)
-    assert sync_sigterm_every(single, 10) is False
+    assert install_sigterm_agreement(single, 10) is False
     assert "_broadcast_sigterm_tensor" not in vars(single.fit_loop.epoch_loop)
 
     ddp = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
-    assert sync_sigterm_every(ddp, 10) is True
+    assert install_sigterm_agreement(ddp, 10) is True
     check, handler = vars(ddp.fit_loop.epoch_loop)["_broadcast_sigterm_tensor"], ddp._signal_connector._sigterm_notifier_fn
     assert isinstance(check, SigtermSync) and check.every_n_batches == 10
     assert isinstance(handler, SigtermNote) and handler.sync is check
@@ -90,7 +117,7 @@ def test_note_outside_fit_keeps_lightnings_stop():
     from lightning.pytorch.trainer.states import TrainerFn
 
     trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
-    sync_sigterm_every(trainer, 10)
+    install_sigterm_agreement(trainer, 10)
     note = trainer._signal_connector._sigterm_notifier_fn
     trainer.state.fn = TrainerFn.FITTING
     note(signal.SIGTERM, None)

@@ -27,7 +27,7 @@ from scripts.bench.plain_loop import (
     work_arguments,
 )
 from scripts.bench.timeline import Timeline, rank_path
-from src.models.step_module import use_runtime_cuda_check_without_gpus
+from src.strategies.lightning_compat import cheap_cuda_check_without_gpus
 
 
 class Batches:
@@ -50,7 +50,7 @@ class BareModule(L.LightningModule):
         self.sums: dict[str, Tensor] = {}
 
     def setup(self, stage: str) -> None:
-        use_runtime_cuda_check_without_gpus()  # as the project does: see its docstring
+        cheap_cuda_check_without_gpus()  # as the project does: see its docstring
 
     def _accumulate(self, stage: str, out: Tensor, y: Tensor, loss: Tensor) -> None:
         loss_sum, correct, seen = self.sums.get(stage) or (torch.zeros((), dtype=torch.float64),

@@ -6,13 +6,16 @@ from typing import Any
 
 import torch
 from lightning import LightningDataModule
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from src.data.components.in_memory import InMemoryDataset, keep_batch
+from src.strategies.batch import per_replica_batch_size
 from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
+from src.utils.seeding import rank_seed
 
 log = RankedLogger(__name__)
 
@@ -28,6 +31,9 @@ class InMemoryDataModule(LightningDataModule):
       the last incomplete batch.
     * Evaluation uses an unpadded sampler (uneven shards), so distributed val/test metrics
       are computed over every sample exactly once and match a single-device run.
+    * Augmentation draws from this rank's own generator (:meth:`augmentation_generator`), so the
+      ranks of a DDP run crop and flip differently.
+    * ``pin_memory="auto"`` pins the loaders' batches when the trainer runs on a GPU.
 
     Subclasses implement :meth:`load_split` and :meth:`transform_batch`.
     """
@@ -38,10 +44,12 @@ class InMemoryDataModule(LightningDataModule):
         batch_size: int = 128,
         val_size: int = 5000,
         num_workers: int = 0,
-        pin_memory: bool = False,
+        pin_memory: bool | str = "auto",
         seed: int = 12345,
     ) -> None:
         super().__init__()
+        if pin_memory not in (True, False, "auto"):
+            raise ConfigError(f"data.pin_memory must be true, false or auto (true on a GPU), got {pin_memory!r}")
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ConfigError(f"data.batch_size must be a positive integer (global batch), got {batch_size!r}")
         if val_size < 0:
@@ -50,7 +58,7 @@ class InMemoryDataModule(LightningDataModule):
         self.data_train: InMemoryDataset | None = None
         self.data_val: InMemoryDataset | None = None
         self.data_test: InMemoryDataset | None = None
-        self.batch_size_per_replica = batch_size
+        self._augment_generators: dict[tuple[torch.device, int], torch.Generator] = {}
 
     def _check_shape(self, **given: int | None) -> None:
         """Configs repeat the data shape for models to interpolate; it must match the dataset."""
@@ -70,7 +78,6 @@ class InMemoryDataModule(LightningDataModule):
 
     # -- Lightning hooks ---------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
-        self.batch_size_per_replica = self._per_replica_batch_size()
         replicas, rank = self._replicas()
         log.info(f"data replica {rank}/{replicas}: batch {self.batch_size_per_replica} per replica "
                  f"(global {self.hparams.batch_size})", rank=None)
@@ -115,18 +122,35 @@ class InMemoryDataModule(LightningDataModule):
         kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
-    def _per_replica_batch_size(self) -> int:
-        return self.per_replica_batch_size(self._replicas()[0])
+    @property
+    def batch_size_per_replica(self) -> int:
+        """This replica's share of the global ``batch_size`` (the whole batch before a Trainer is attached)."""
+        strategy = getattr(self.trainer, "strategy", None)
+        return per_replica_batch_size(self.hparams.batch_size, strategy) if strategy else self.hparams.batch_size
 
-    def per_replica_batch_size(self, replicas: int) -> int:
-        """``batch_size // replicas``; a ConfigError when it does not divide (call before launching processes)."""
-        batch = self.hparams.batch_size
-        if batch % replicas:
-            raise ConfigError(
-                f"data.batch_size={batch} is the global batch and must divide evenly across {replicas} "
-                f"data-parallel replicas: use a multiple of {replicas}"
-            )
-        return batch // replicas
+    @property
+    def pin_memory(self) -> bool:
+        """``data.pin_memory``; ``auto`` pins when the trainer runs on a GPU.
+
+        Lightning copies a batch to the GPU with ``non_blocking=True``, which overlaps the copy with
+        compute only from page-locked (pinned) memory. On a CPU run pinning is a wasted copy.
+        """
+        if self.hparams.pin_memory != "auto":
+            return bool(self.hparams.pin_memory)
+        return isinstance(getattr(self.trainer, "accelerator", None), CUDAAccelerator)
+
+    def augmentation_generator(self, device: torch.device) -> torch.Generator:
+        """This rank's generator on ``device`` for random augmentation, seeded from ``seed`` and the global rank.
+
+        Every rank is seeded alike (equal initial weights); a shared stream would give every rank the
+        same crops and flips. Without a trainer (rank 0) the stream is that of a one-process run.
+        """
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        key = (torch.device(device), rank)
+        if key not in self._augment_generators:
+            seed = rank_seed(self.hparams.seed, rank, "augment")
+            self._augment_generators[key] = torch.Generator(device=key[0]).manual_seed(seed)
+        return self._augment_generators[key]
 
     def _loader(self, dataset: InMemoryDataset, **kwargs: Any) -> DataLoader:
         workers = self.hparams.num_workers
@@ -135,7 +159,7 @@ class InMemoryDataModule(LightningDataModule):
             batch_size=self.batch_size_per_replica,
             collate_fn=keep_batch,
             num_workers=workers,
-            pin_memory=self.hparams.pin_memory,
+            pin_memory=self.pin_memory,
             persistent_workers=workers > 0,
             **kwargs,
         )

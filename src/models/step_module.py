@@ -14,13 +14,15 @@ updates race-free and exact.
 
 from __future__ import annotations
 
-import os
 from typing import Any, TypedDict
 
 import torch
 from lightning import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
+
+from src.strategies import lightning_compat as compat
+from src.utils.seeding import rank_seed
 
 
 class StepOutput(TypedDict):
@@ -30,24 +32,7 @@ class StepOutput(TypedDict):
 
 
 STAGES = ("train", "val", "test")
-_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
-
-
-def use_runtime_cuda_check_without_gpus() -> None:
-    """On a machine with no visible GPU, make ``torch.cuda.is_available()`` cheap again.
-
-    ``import lightning`` sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` so that availability checks
-    do not initialise CUDA before a fork. Every ``optimizer.step()`` asks whether CUDA is available
-    (torch's CUDA-graph capture health check); with the NVML check and no GPU, a CUDA build of
-    torch then tries to load the NVML library on every step, about 1 ms: ~20% of a Fashion-MNIST
-    MLP step on 2 CPU cores. Without a GPU there is no CUDA state a fork could break, so the
-    runtime check (cached after its first call) is safe.
-    """
-    if os.environ.get(_NVML_CHECK) == "1" and not torch.cuda.is_available():
-        os.environ[_NVML_CHECK] = "0"
-
-
-class StepModule(LightningModule):
+class StepModule(compat.FastHookName, LightningModule):
     """Holds ``net``, builds the optimizer/scheduler from partial configs, and wires the steps.
 
     A subclass that sets ``best_of = "<name>"`` and a ``val_<name>_best`` tracker (``MaxMetric`` or
@@ -72,15 +57,6 @@ class StepModule(LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.net_compiled = False
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Lightning sets `_current_fx_name` (a hook name) before and after every hook it calls, ~40 times
-        # per training step. nn.Module.__setattr__ checks each value against parameters, submodules and
-        # buffers (~1 us); a string is none of them, so it is stored directly (~1% of an MLP step on CPU).
-        if name == "_current_fx_name":
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -117,6 +93,15 @@ class StepModule(LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.record_step("test", self.model_step(batch))
 
+    def on_fit_start(self) -> None:
+        """From here on, this rank draws dropout masks (and the model's other random ops) from its own stream.
+
+        Every rank is seeded alike, so the weights start equal, and Lightning's DDP strategy re-applies
+        that seed at setup: left so, every rank would draw the same masks on different data. The
+        stream derives from that seed and the global rank (:func:`src.utils.seeding.rank_seed`).
+        """
+        torch.manual_seed(rank_seed(torch.initial_seed(), self.global_rank, "model"))
+
     def on_train_start(self) -> None:
         if self.best_of:  # the sanity check must not count towards the best value
             getattr(self, f"val_{self.best_of}_best").reset()
@@ -131,7 +116,7 @@ class StepModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
-            use_runtime_cuda_check_without_gpus()
+            compat.cheap_cuda_check_without_gpus()  # speed: see src/strategies/lightning_compat.py
         if self.hparams.compile:
             self.compile_net()
 

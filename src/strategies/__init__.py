@@ -1,16 +1,17 @@
-"""Project strategies. Importing this package registers them with Lightning's ``StrategyRegistry``,
-so ``Trainer(strategy="<name>")`` (and ``trainer.strategy=<name>`` in configs) resolves them."""
+"""The project's Lightning strategies: ``ddp`` (Lightning's DDP plus its fixes), ``dp`` and ``pipeline``.
+
+Importing this package registers ``dp`` and ``pipeline`` with Lightning's ``StrategyRegistry``, so
+``Trainer(strategy="dp")`` (and ``trainer.strategy=dp`` in configs) resolves them.
+"""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from src.strategies.ddp import DDPStrategy
 from src.strategies.dp import DataParallelStrategy
 from src.strategies.pipeline.strategy import PipelineStrategy
 
+for _strategy in (DataParallelStrategy, PipelineStrategy):
+    StrategyRegistry.register(_strategy.strategy_name, _strategy, description=_strategy.__doc__.splitlines()[0],
+                              override=True)  # idempotent
 
-def register_strategies() -> None:
-    """Add the project's strategies to Lightning's registry (idempotent)."""
-    for strategy_cls in (DataParallelStrategy, PipelineStrategy):
-        strategy_cls.register_strategies(StrategyRegistry)
-
-
-register_strategies()
+__all__ = ["DDPStrategy", "DataParallelStrategy", "PipelineStrategy"]

@@ -1,20 +1,17 @@
-"""SIGTERM in multi-process training: every rank stops at the same batch, checked every N batches.
+"""SIGTERM in multi-process training: every rank stops at the same batch, agreed every N batches.
 
-Lightning 2.6 (PR #20825) starts every training batch of a multi-process run with a blocking
-``broadcast`` of rank 0's SIGTERM flag plus a host sync (on GPUs a CPU-GPU sync per batch; Lightning
-issue #21487). Measured here with 2 gloo ranks on the Fashion-MNIST MLP, that is ~13% of DDP
-throughput. Its signal handler also sends a broadcast of its own, which only pairs with the other
-ranks' next per-batch broadcast; checking less often with that handler in place hangs every rank.
+Lightning starts every training batch of a multi-process run with a blocking broadcast of rank 0's
+SIGTERM flag plus a host sync (Lightning issue 21487). Its signal handler also sends a broadcast of
+its own, which only pairs with the other ranks' next per-batch broadcast, so checking less often
+with that handler in place hangs every rank. The project's strategies replace both pieces:
 
-This module replaces both pieces on the trainer instance (Lightning has no setting for them):
-
-* the SIGTERM handler only notes the signal (and, like Lightning's, forwards it to the ranks this
-  process launched); during fit it no longer stops this rank on its own;
+* the handler only notes the signal (and, like Lightning's, forwards it to the ranks this process
+  launched); during fit it does not stop this rank on its own;
 * every ``every_n_batches`` training batches, the same batches on every rank, the ranks all-reduce
   (MAX) their notes; if any rank was signalled, all of them stop there together.
 
-So a SIGTERM that reaches any one rank stops the whole job within ``every_n_batches`` batches, and
-no collective is left unmatched. Outside fit (validate/test), the handler keeps Lightning's behaviour.
+So a SIGTERM reaching any one rank stops the job within ``every_n_batches`` batches and no
+collective is left unmatched. Outside fit (validate/test) the handler keeps Lightning's behaviour.
 """
 
 from __future__ import annotations
@@ -26,19 +23,26 @@ import torch.distributed as dist
 from lightning import Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from src.strategies import lightning_compat as compat
 from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
 
-_CHECK = "_broadcast_sigterm_tensor"  # _TrainingEpochLoop: called before every training batch (world > 1)
-_HANDLER = "_sigterm_notifier_fn"  # _SignalConnector: the SIGTERM handler it registers at each run
+
+def check_interval(every_n_batches: object) -> int:
+    """The SIGTERM agreement interval, or a ConfigError naming the config key."""
+    if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) or every_n_batches < 1:
+        raise ConfigError(
+            f"sigterm_check_every_n_batches={every_n_batches!r} must be an integer >= 1 (1 = every batch)"
+        )
+    return every_n_batches
 
 
 class SigtermSync:
-    """Holds this rank's SIGTERM note and agrees with the other ranks every ``every_n_batches`` batches.
+    """This rank's SIGTERM note, agreed with the other ranks every ``every_n_batches`` batches.
 
-    A picklable callable (ddp_spawn pickles the trainer): replaces the training loop's per-batch check.
+    A picklable callable (ddp_spawn pickles the trainer): it replaces the loop's per-batch check.
     """
 
     def __init__(self, trainer: Trainer, every_n_batches: int) -> None:
@@ -56,7 +60,7 @@ class SigtermSync:
         if flag.item():
             step = f"epoch {self.trainer.current_epoch}, global step {self.trainer.global_step}"
             log.info(f"SIGTERM: every rank stops here ({step})", rank=None)
-            self.trainer._signal_connector.received_sigterm = True
+            compat.mark_sigterm_received(self.trainer)
             with contextlib.suppress(Exception):
                 dist.barrier()
             raise SIGTERMException()
@@ -75,22 +79,18 @@ class SigtermNote:
             trainer.strategy.launcher.kill(signum)  # as Lightning: pass it on to the ranks this process started
         self.sync.signalled = True
         if trainer.state.fn != "fit":  # no per-batch check outside fit: Lightning's own stop
-            trainer._signal_connector.received_sigterm = True
+            compat.mark_sigterm_received(trainer)
 
 
-def sync_sigterm_every(trainer: Trainer, every_n_batches: int) -> bool:
+def install_sigterm_agreement(trainer: Trainer, every_n_batches: int) -> bool:
     """Install the agreed SIGTERM stop on a multi-process ``trainer``; True if installed.
 
-    Single-process trainers, and Lightning versions without the per-batch check, are left alone.
+    Called from the strategy's ``setup``, before Lightning registers its signal handlers.
+    Single-process trainers keep Lightning's own handling.
     """
-    if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) or every_n_batches < 1:
-        raise ConfigError(
-            f"sigterm_check_every_n_batches={every_n_batches!r} must be an integer >= 1 (1 = every batch)"
-        )
-    loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
-    if trainer.world_size == 1 or not hasattr(type(loop), _CHECK) or not hasattr(type(connector), _HANDLER):
+    check_interval(every_n_batches)
+    if trainer.world_size == 1:
         return False
     sync = SigtermSync(trainer, every_n_batches)
-    setattr(loop, _CHECK, sync)
-    setattr(connector, _HANDLER, SigtermNote(sync))
+    compat.replace_sigterm_check(trainer, sync, SigtermNote(sync))
     return True

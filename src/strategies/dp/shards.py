@@ -20,6 +20,8 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from src.strategies import lightning_compat as compat
+
 # -- scatter ----------------------------------------------------------------------
 
 
@@ -52,46 +54,19 @@ def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
 # -- replicate --------------------------------------------------------------------
 
 
-def bound_forwards(module: nn.Module) -> list[str]:
-    """Submodules whose ``forward`` is an instance attribute (``torch.compile``, a patched forward).
-
-    A replica copies the instance ``__dict__``, so such a forward would still be bound to the
-    original module and run the original's parameters instead of the replica's.
-    """
-    return [name or "<root>" for name, m in module.named_modules() if "forward" in m.__dict__]
-
-
-def shared_replica(module: nn.Module) -> nn.Module:
-    """A CPU replica that uses the SAME parameter tensors and private copies of the buffers.
-
-    Gradients of every replica therefore accumulate into the shared ``.grad``, while in-place
-    buffer updates (BatchNorm running stats) of non-root shards go to copies and are dropped,
-    as with ``torch.nn.DataParallel`` (only device 0's replica shares the root's buffers).
-    Built like ``torch.nn.parallel.replicate``, whose broadcast step needs CUDA.
-    """
-    copies = {m: m._replicate_for_data_parallel() for m in module.modules()}
-    for original, replica in copies.items():
-        replica._parameters = dict(original._parameters)
-        replica._buffers = {k: None if b is None else b.clone() for k, b in original._buffers.items()}
-        replica._modules = {k: None if c is None else copies[c] for k, c in original._modules.items()}
-    return copies[module]
-
-
 def make_replicas(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
     """One replica of ``module`` per device, for one step.
 
     CUDA: ``torch.nn.parallel.replicate`` (parameters broadcast with autograd, so gradients are
-    summed back into the root's parameters). CPU: the root itself for shard 0 and
-    :func:`shared_replica` for the others.
+    summed back into the root's parameters). CPU: the root itself for shard 0 and replicas
+    sharing its parameter tensors for the others.
     """
     if devices[0].type == "cuda":
         replicas = nn.parallel.replicate(module, list(devices), detach=not torch.is_grad_enabled())
         for replica, device in zip(replicas, devices, strict=True):
-            for sub in replica.modules():  # so `self.device` of a LightningModule/Metric replica is its own
-                if "_device" in sub.__dict__:
-                    sub._device = device
+            compat.point_replica_at(replica, device)
         return replicas
-    return [module] + [shared_replica(module) for _ in devices[1:]]
+    return [module] + [compat.replica_sharing_parameters(module) for _ in devices[1:]]
 
 
 # -- parallel apply ---------------------------------------------------------------

@@ -27,16 +27,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities import move_data_to_device
-from lightning.pytorch.plugins import LayerSync
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
+from src.strategies import lightning_compat as compat
 from src.strategies.dp.shards import (
     ShardRunner,
     batch_size_of,
-    bound_forwards,
     gather_step_outputs,
     make_replicas,
     shard_sizes,
@@ -84,18 +82,6 @@ class DataParallelStrategy(ParallelStrategy):
                 f"trainer.num_nodes={num_nodes}: dp is single-process; use trainer=ddp for several nodes"
             )
         self._num_nodes = num_nodes
-
-    @property
-    def _layer_sync(self) -> LayerSync | None:
-        return None
-
-    @_layer_sync.setter
-    def _layer_sync(self, layer_sync: LayerSync | None) -> None:
-        if layer_sync is not None:
-            raise ConfigError(
-                "trainer.sync_batchnorm=true needs a process group and does not apply to dp (each shard "
-                "normalizes separately, as in nn.DataParallel): set trainer.sync_batchnorm=false or use trainer=ddp"
-            )
 
     @property
     def parallel_devices(self) -> list[torch.device] | None:
@@ -162,7 +148,11 @@ class DataParallelStrategy(ParallelStrategy):
         return decision
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def connect(self, model: pl.LightningModule) -> None:
+    def validate(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
+        """The pre-flight checks dp adds (see :mod:`src.strategies.preflight`)."""
+        self._check_model(model)
+
+    def _check_model(self, model: pl.LightningModule) -> None:
         missing = [name for name in ("model_step", "record_step") if not callable(getattr(model, name, None))]
         if missing:
             raise ConfigError(
@@ -174,11 +164,19 @@ class DataParallelStrategy(ParallelStrategy):
                 f"{type(model).__name__} uses manual optimization, which dp does not support "
                 "(it drives model_step/record_step itself): use a single device or trainer=ddp"
             )
+        if compat.layer_sync_of(self) is not None:
+            raise ConfigError(
+                "trainer.sync_batchnorm=true needs a process group and does not apply to dp (each shard "
+                "normalizes separately, as in nn.DataParallel): set trainer.sync_batchnorm=false or use trainer=ddp"
+            )
+
+    def connect(self, model: pl.LightningModule) -> None:
+        self._check_model(model)  # dp starts no processes: attaching the model is still before any work
         super().connect(model)
 
     def setup(self, trainer: pl.Trainer) -> None:
-        # After LightningModule.setup, so a `torch.compile`d net is visible here, before training.
-        bound = bound_forwards(self.lightning_module)
+        # After LightningModule.setup, so a compiled net is visible here, before training.
+        bound = compat.bound_forwards(self.lightning_module)
         if bound:
             raise ConfigError(
                 f"dp cannot replicate modules whose forward is bound to the instance ({', '.join(bound)}; e.g. by "
@@ -186,6 +184,7 @@ class DataParallelStrategy(ParallelStrategy):
             )
         super().setup(trainer)
         self._runner = ShardRunner(len(self.parallel_devices))
+        _seed_devices_apart(self.parallel_devices)
 
     def model_to_device(self) -> None:
         self.lightning_module.to(self.root_device)
@@ -225,15 +224,15 @@ class DataParallelStrategy(ParallelStrategy):
             gathered = gather_step_outputs(outputs, sizes, self.root_device)
             return module.record_step(stage, gathered)
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Single-process data parallel: batch split across devices, one thread per device",
-            override=True,  # idempotent: importing src.strategies twice must not fail
-        )
-
 
 def _model_step(replica: pl.LightningModule, shard: Any) -> Any:
     return replica.model_step(shard)
+
+
+def _seed_devices_apart(devices: list[torch.device]) -> None:
+    """Give each CUDA device its own random stream (seed + device position), so equal-sized shards on
+    different GPUs draw different dropout masks. CPU shards share one generator already."""
+    if devices and devices[0].type == "cuda":
+        base = torch.cuda.initial_seed()
+        for offset, device in enumerate(devices[1:], start=1):
+            torch.cuda.default_generators[device.index].manual_seed(base + offset)

@@ -141,3 +141,34 @@ def local_optimizer_state(
         out_groups.append({**{k: v for k, v in g.items() if k not in _GROUP_KEYS}, "params": ids})
         i += len(names)
     return {"state": state, "param_groups": out_groups}
+
+
+# -- what the strategy's checkpoint hooks call ------------------------------------------------------
+def full_model_state(module: nn.Module, mesh: PipelineMesh, block_order: Sequence[str]) -> dict[str, Any]:
+    """The unsplit model's state dict on pipeline rank 0 of each replica (``{}`` on the other stages)."""
+    parts = gather_to_first_stage(module.state_dict(), mesh)
+    return merge_state_dicts(parts, block_order) if parts is not None else {}
+
+
+def full_optimizer_state(optimizer: Optimizer, module: nn.Module, mesh: PipelineMesh,
+                         block_order: Sequence[str]) -> dict[str, Any]:
+    """The unsplit model's optimizer state on pipeline rank 0 of each replica (``{}`` elsewhere)."""
+    parts = gather_to_first_stage(named_optimizer_state(optimizer, param_names(module)), mesh)
+    return merge_optimizer_states(parts, block_order) if parts is not None else {}
+
+
+def load_local_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> None:
+    """Load this rank's blocks (and the module's other entries) from a full-model state dict."""
+    local = module.state_dict().keys()
+    missing = [k for k in local if k not in state]
+    if missing and strict:
+        raise CheckpointError(f"the checkpoint lacks {missing[:3]}: it was saved from another model")
+    module.load_state_dict({k: state[k] for k in local if k in state}, strict=strict)
+
+
+def load_local_optimizer_states(optimizers: Sequence[Optimizer], full_states: Sequence[dict[str, Any]],
+                                module: nn.Module, full_param_names: Sequence[str]) -> None:
+    """Give each of this rank's optimizers its own parameters' entries of the full-model states."""
+    names = param_names(module)
+    for optimizer, full in zip(optimizers, full_states, strict=True):
+        optimizer.load_state_dict(local_optimizer_state(full, group_names(optimizer, names), full_param_names))

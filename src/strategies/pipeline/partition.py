@@ -56,30 +56,35 @@ def param_costs(blocks: Sequence[tuple[str, nn.Module]]) -> list[float]:
 
 @torch.no_grad()
 def time_costs(blocks: Sequence[tuple[str, nn.Module]], example: Tensor, repeats: int = 5) -> list[float]:
-    """Median forward time (seconds) of every block on ``example``, the blocks run in sequence.
+    """Median forward time (seconds) of every block on ``example``'s device, the blocks run in sequence.
 
-    Runs in eval mode under ``no_grad`` so that timing neither updates BatchNorm statistics
-    nor draws dropout random numbers (which would desynchronise the ranks' RNG streams).
+    Blocks may live on the host: each is moved to ``example``'s device only while it is timed and
+    then moved back, so at most one block occupies the device (the model need not fit on it).
+    Runs in eval mode under ``no_grad`` so that timing neither updates BatchNorm statistics nor
+    draws dropout random numbers (which would desynchronise the ranks' RNG streams).
     """
-    modes = [(m, m.training) for _, block in blocks for m in block.modules()]
-    for _, block in blocks:
-        block.eval()
     sync = torch.cuda.synchronize if example.is_cuda else (lambda: None)
-    samples: list[list[float]] = [[] for _ in blocks]
-    try:
-        for rep in range(repeats + 1):  # the first pass is warm-up
-            x = example
-            for i, (_, block) in enumerate(blocks):
+    costs, x = [], example
+    for _, block in blocks:
+        home = next(iter(block.parameters()), x).device
+        modes = [(m, m.training) for m in block.modules()]
+        block.eval().to(x.device)
+        samples = []
+        try:
+            for rep in range(repeats + 1):  # the first pass is warm-up
                 sync()
                 start = time.perf_counter()
-                x = block(x)
+                out = block(x)
                 sync()
                 if rep:
-                    samples[i].append(time.perf_counter() - start)
-    finally:
-        for module, training in modes:
-            module.training = training
-    return [statistics.median(s) for s in samples]
+                    samples.append(time.perf_counter() - start)
+        finally:
+            block.to(home)
+            for module, training in modes:
+                module.training = training
+        costs.append(statistics.median(samples))
+        x = out
+    return costs
 
 
 def balanced_split(costs: Sequence[float], n_stages: int) -> list[range]:

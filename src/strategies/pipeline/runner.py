@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from src.models.step_module import StepOutput
 from src.strategies.pipeline.mesh import PipelineMesh
 from src.strategies.pipeline.schedule import build_schedule
-from src.utils.errors import ConfigError
 
 
 class PipelineRunner:
@@ -82,13 +81,7 @@ class PipelineRunner:
         The gradients are those of the full-batch mean loss (scaled by ``1/n_microbatches``
         inside the schedule). Returns the full-batch output and mean loss on every rank.
         """
-        size = target.shape[0]
-        if size % self.n_microbatches:
-            raise ConfigError(
-                f"a training batch of {size} samples does not split into n_microbatches={self.n_microbatches}: "
-                f"make the per-replica batch (data.batch_size / dp_size) a multiple of n_microbatches"
-            )
-        schedule = self._schedule(True, inputs)
+        schedule = self._schedule(True, inputs)  # the batch divides: src.strategies.batch checked it
         losses: list[Tensor] = []
         args = (inputs,) if self.holds_first else ()
         output = schedule.step(*args, target=target, losses=losses)

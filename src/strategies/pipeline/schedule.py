@@ -1,9 +1,10 @@
 """Pipeline schedules by name, their constraints, and building ``PipelineStage`` objects plus a schedule.
 
-All of it is ``torch.distributed.pipelining``: this module only maps config names to its
-schedule classes, checks the constraints those classes would otherwise report late (after
-the processes are up), and places virtual stages on ranks the way the interleaved schedule
-expects ("loop" placement: stage ``i`` lives on pipeline rank ``i % pp``).
+All of it is ``torch.distributed.pipelining``: names resolve through torch's own registry
+(``get_schedule_class``), multi-stage schedules are recognised by their base class
+(``PipelineScheduleMulti``), and virtual stages are placed the way the interleaved schedule expects
+("loop" placement: stage ``i`` lives on pipeline rank ``i % pp``). This module only checks the
+constraints torch would otherwise report late, after the processes are up.
 """
 
 from __future__ import annotations
@@ -13,27 +14,34 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    get_schedule_class,
+)
 
 from src.utils.errors import ConfigError
 
-SCHEDULES: dict[str, type[_PipelineSchedule]] = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-}
-# Schedules that run several (virtual) stages per rank and take a list of stages.
-MULTI_STAGE = frozenset({"Interleaved1F1B"})
+# The schedules this strategy places stages for (torch has more, e.g. zero-bubble ones with "V" placement).
+SUPPORTED = ("GPipe", "1F1B", "Interleaved1F1B")
 
 
 def canonical_schedule(name: str) -> str:
     """The schedule's canonical name, matched case-insensitively; a clear error for unknown names."""
-    by_lower = {key.lower(): key for key in SCHEDULES}
-    key = by_lower.get(str(name).lower().replace("_", "").replace("-", ""))
+    try:
+        cls = get_schedule_class(str(name))
+    except ValueError:
+        cls = None
+    key = next((s for s in SUPPORTED if cls is not None and get_schedule_class(s) is cls), None)
     if key is None:
-        raise ConfigError(f"trainer.strategy.schedule={name!r} is unknown: choose one of {', '.join(SCHEDULES)}")
+        raise ConfigError(f"trainer.strategy.schedule={name!r} is unknown: choose one of {', '.join(SUPPORTED)}")
     return key
+
+
+def is_multi_stage(name: str) -> bool:
+    """Schedules that run several (virtual) stages per rank and take a list of stages."""
+    return issubclass(get_schedule_class(name), PipelineScheduleMulti)
 
 
 def check_schedule(name: str, n_microbatches: int, stages_per_rank: int, pp: int | None = None) -> None:
@@ -45,12 +53,12 @@ def check_schedule(name: str, n_microbatches: int, stages_per_rank: int, pp: int
         raise ConfigError(f"trainer.strategy.n_microbatches={n_microbatches!r} must be an integer >= 1")
     if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
         raise ConfigError(f"trainer.strategy.stages_per_rank={stages_per_rank!r} must be an integer >= 1")
-    if name in MULTI_STAGE and stages_per_rank < 2:
+    if is_multi_stage(name) and stages_per_rank < 2:
         raise ConfigError(
             f"schedule={name} interleaves several virtual stages per rank: set trainer.strategy.stages_per_rank=2 "
             f"(or more), or use schedule=1F1B"
         )
-    if name not in MULTI_STAGE and stages_per_rank != 1:
+    if not is_multi_stage(name) and stages_per_rank != 1:
         raise ConfigError(
             f"schedule={name} runs one stage per rank but stages_per_rank={stages_per_rank}: set stages_per_rank=1, "
             f"or use schedule=Interleaved1F1B"
@@ -84,7 +92,7 @@ def build_schedule(
     group: dist.ProcessGroup,
     n_microbatches: int,
     loss_fn: Callable | None,
-) -> _PipelineSchedule:
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """Wrap this rank's stage modules in ``PipelineStage`` objects and build the named schedule.
 
     ``loss_fn=None`` builds a forward-only schedule (evaluation). With a loss, gradients are
@@ -92,8 +100,8 @@ def build_schedule(
     gives the gradient of the full-batch mean.
     """
     stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in modules]
-    schedule_cls = SCHEDULES[name]
-    target = stages if name in MULTI_STAGE else stages[0]
+    schedule_cls = get_schedule_class(name)
+    target = stages if is_multi_stage(name) else stages[0]
     try:
         return schedule_cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     except ValueError as err:  # a constraint check_schedule does not know about (newer torch)

@@ -34,8 +34,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -43,6 +41,7 @@ from rich.console import Console
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from src.strategies import lightning_compat as compat
 from src.strategies.ddp import DDPStrategy
 from src.strategies.exit_cleanup import release_before_destroy
 from src.strategies.pipeline import checkpoint as ckpt
@@ -58,7 +57,8 @@ from src.strategies.pipeline.partition import (
 )
 from src.strategies.pipeline.runner import PipelineRunner
 from src.strategies.pipeline.schedule import canonical_schedule, check_schedule, stage_indices
-from src.utils.errors import CheckpointError, ConfigError
+from src.strategies.sigterm import install_sigterm_agreement
+from src.utils.errors import ConfigError
 
 
 def _sync_metrics_over(module: nn.Module, group: dist.ProcessGroup | None) -> None:
@@ -66,21 +66,6 @@ def _sync_metrics_over(module: nn.Module, group: dist.ProcessGroup | None) -> No
     for metric in module.modules():
         if isinstance(metric, Metric):
             metric.process_group = group
-
-
-class _CheckedLaunch:
-    """A launcher's ``launch`` preceded by the strategy's pre-flight checks.
-
-    A class, not a closure: ``start_method=spawn`` pickles the trainer, and with it the launcher.
-    """
-
-    def __init__(self, strategy: PipelineStrategy, launcher: Any) -> None:
-        self.strategy, self.launcher = strategy, launcher
-
-    def __call__(self, function: Any, *args: Any, trainer: pl.Trainer, **kwargs: Any) -> Any:
-        self.strategy._preflight(trainer)
-        self.strategy._check_batch_size([a for a in args if isinstance(a, pl.LightningDataModule)])
-        return type(self.launcher).launch(self.launcher, function, *args, trainer=trainer, **kwargs)
 
 
 class PipelineStrategy(DDPStrategy):
@@ -143,8 +128,10 @@ class PipelineStrategy(DDPStrategy):
     # -- layout and checks before any process starts --------------------------------------------
     @property
     def layout(self) -> Layout:
-        if self._layout is None:
-            self._layout = resolve_layout(self.num_nodes * self.num_processes, self.stages, self.dp_size)
+        """``pp x dp`` over the trainer's processes (known once the Trainer has set devices and nodes)."""
+        world = self.num_nodes * self.num_processes
+        if self._layout is None or self._layout.pp * self._layout.dp != world:
+            self._layout = resolve_layout(world, self.stages, self.dp_size)
         return self._layout
 
     @property
@@ -152,56 +139,35 @@ class PipelineStrategy(DDPStrategy):
         """Total (virtual) stages: pipeline ranks x stages per rank."""
         return self.layout.pp * self.stages_per_rank
 
-    def _configure_launcher(self) -> None:
-        # Called while the Trainer is built, once devices and nodes are known: check the layout now.
-        self._layout = None
-        check_schedule(self.schedule, self.n_microbatches, self.stages_per_rank, self.layout.pp)
-        super()._configure_launcher()
-        # The model is only attached at fit/validate/test time, right before launching: check it
-        # then, in the launching process, so a bad model fails once instead of in every rank.
-        # (Wrapping the method keeps the launcher's class, which Lightning checks with isinstance.)
-        self._launcher.launch = _CheckedLaunch(self, self._launcher)
-
-    def _preflight(self, trainer: pl.Trainer) -> None:
+    def validate(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
+        """The pre-flight checks of :mod:`src.strategies.preflight`, root causes first: the model, then
+        whether it splits into the stages, then the schedule and the training settings."""
         if trainer.state.fn == TrainerFn.PREDICTING:
             raise ConfigError("trainer=pipeline does not predict: load the checkpoint on one device (trainer=default)")
-        module = trainer.lightning_module
         for hook in ("criterion", "record_step"):
-            if not callable(getattr(module, hook, None)):
-                raise ConfigError(f"trainer=pipeline needs a StepModule (with `{hook}`), got {type(module).__name__}")
-        if not isinstance(getattr(module, "net", None), nn.Module):
-            raise ConfigError(f"trainer=pipeline splits the module's `net` attribute; {type(module).__name__} has none")
-        if not module.automatic_optimization:
+            if not callable(getattr(model, hook, None)):
+                raise ConfigError(f"trainer=pipeline needs a StepModule (with `{hook}`), got {type(model).__name__}")
+        if not isinstance(getattr(model, "net", None), nn.Module):
+            raise ConfigError(f"trainer=pipeline splits the module's `net` attribute; {type(model).__name__} has none")
+        if not model.automatic_optimization:
             raise ConfigError("trainer=pipeline runs backward inside the schedule: manual optimization is not supported")
-        if getattr(module.hparams, "compile", False):
+        if getattr(model.hparams, "compile", False):
             raise ConfigError("trainer=pipeline cannot split a compiled net: set model.compile=false")
-        n_blocks = len(self._block_order) if module.net is self._split_net else len(named_blocks(module.net))
+        n_blocks = len(self._block_order) if model.net is self._split_net else len(named_blocks(model.net))
         if n_blocks < self.num_stages:
             raise ConfigError(
                 f"model.net has {n_blocks} blocks, fewer than the {self.num_stages} pipeline stages "
                 f"({self.layout.pp} ranks x stages_per_rank={self.stages_per_rank}): use fewer stages or more blocks"
             )
+        check_schedule(self.schedule, self.n_microbatches, self.stages_per_rank, self.layout.pp)
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ConfigError("trainer.precision=16-mixed needs loss scaling, which pipeline schedules do not do: "
                               "use bf16-mixed or 32-true")
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
             raise ConfigError("gradient norm clipping would see only one stage's gradients under trainer=pipeline: "
                               "set trainer.gradient_clip_algorithm=value, or unset gradient_clip_val")
-        if self._layer_sync is not None:
+        if compat.layer_sync_of(self) is not None:
             raise ConfigError("trainer.sync_batchnorm=true is not supported with trainer=pipeline: set it to false")
-
-    def _check_batch_size(self, datamodules: list[pl.LightningDataModule]) -> None:
-        """The project's DataModules take a *global* ``batch_size``: check its micro-batch split up front."""
-        for dm in datamodules:
-            batch = getattr(dm, "hparams", {}).get("batch_size")
-            if not isinstance(batch, int) or batch % self.layout.dp:
-                continue  # not this template's convention, or the DataModule reports it itself
-            if (batch // self.layout.dp) % self.n_microbatches:
-                raise ConfigError(
-                    f"data.batch_size={batch} gives {batch // self.layout.dp} samples per pipeline replica, which "
-                    f"do not split into n_microbatches={self.n_microbatches}: use a batch size that is a multiple "
-                    f"of {self.layout.dp * self.n_microbatches}"
-                )
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -218,24 +184,30 @@ class PipelineStrategy(DDPStrategy):
 
     def _release_groups(self) -> None:
         """Drop this strategy's references to the mesh's sub-groups, so destroying the group joins their threads."""
-        if self._lightning_module is not None:
-            _sync_metrics_over(self._lightning_module, None)
+        module = self.lightning_module
+        if module is not None:
+            _sync_metrics_over(module, None)
         self._mesh = self._runner = None
 
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None and self.lightning_module is not None
+        """Split on the host, then move only this rank's blocks to its device (no full model on any GPU).
+
+        Not ``DDPStrategy.setup``: a pipeline is never wrapped in DDP, and DDP's start-up sync of
+        every parameter from rank 0 would fight the split (each stage holds different blocks).
+        """
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self.model = self.precision_plugin.convert_module(module)
-        self.model_to_device()
         self._split(module, trainer)
+        self.model_to_device()
         _sync_metrics_over(module, self._mesh.dp_group)  # see module docstring: over replicas, not stages
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            compat.optimizers_to_device(self.optimizers, self.root_device)
+        install_sigterm_agreement(trainer, self.sigterm_check_every_n_batches)
 
     def _split(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         """Keep this rank's blocks in ``module.net`` and build the pipeline over them (once per net)."""
@@ -273,12 +245,12 @@ class PipelineStrategy(DDPStrategy):
         module = self.lightning_module
         example = getattr(module, "example_input_array", None)
         if isinstance(example, Tensor):
-            return example.to(self.root_device)
+            return self.precision_plugin.convert_input(example.to(self.root_device))
         if trainer.datamodule is None:
             raise ConfigError("balance=time needs an example input: set the module's example_input_array or train "
                               "with a DataModule")
         batch = next(iter(trainer.datamodule.train_dataloader()))
-        return module._apply_batch_transfer_handler(batch, device=self.root_device)[0]
+        return self.precision_plugin.convert_input(self.batch_to_device(batch)[0])
 
     def _sync_replicas(self, net: nn.Module) -> None:
         """Copy this stage's parameters and buffers from data-parallel rank 0 (as DDP does at wrap time)."""
@@ -346,42 +318,25 @@ class PipelineStrategy(DDPStrategy):
                             reduce_op="sum")
         return bool(votes == self.world_size) if all else bool(votes)
 
-    # -- checkpoints: one full-model file ----------------------------------------------------------
+    # -- checkpoints: one full-model file (see .checkpoint) ----------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = self.lightning_module.state_dict()
         if self._split_net is None:
-            return state
-        parts = ckpt.gather_to_first_stage(state, self._mesh)
-        return ckpt.merge_state_dicts(parts, self._block_order) if parts is not None else {}
+            return self.lightning_module.state_dict()
+        return ckpt.full_model_state(self.lightning_module, self._mesh, self._block_order)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        named = ckpt.named_optimizer_state(optimizer, ckpt.param_names(self.lightning_module))
-        parts = ckpt.gather_to_first_stage(named, self._mesh)
-        return ckpt.merge_optimizer_states(parts, self._block_order) if parts is not None else {}
+            optimizer = optimizer.optimizer
+        return ckpt.full_optimizer_state(optimizer, self.lightning_module, self._mesh, self._block_order)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
-        state = checkpoint["state_dict"]
-        if self._split_net is not None and module.net is self._split_net:  # take this rank's blocks only
-            local = module.state_dict().keys()
-            missing = [k for k in local if k not in state]
-            if missing and strict:
-                raise CheckpointError(f"the checkpoint lacks {missing[:3]}: it was saved from another model")
-            state = {k: state[k] for k in local if k in state}
-        module.load_state_dict(state, strict=strict)
+        if self._split_net is not None and module.net is self._split_net:
+            ckpt.load_local_model_state(module, checkpoint["state_dict"], strict)
+        else:
+            module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        names = ckpt.param_names(self.lightning_module)
-        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            local = ckpt.local_optimizer_state(full, ckpt.group_names(optimizer, names), self._full_param_names)
-            optimizer.load_state_dict(local)
-            _optimizer_to_device(optimizer, self.root_device)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="Pipeline parallelism (torch.distributed"
-                                       ".pipelining), optionally x data parallelism")
-
+        ckpt.load_local_optimizer_states(self.optimizers, checkpoint["optimizer_states"], self.lightning_module,
+                                         self._full_param_names)
+        compat.optimizers_to_device(self.optimizers, self.root_device)

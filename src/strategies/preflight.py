@@ -1,17 +1,48 @@
-"""Reject impossible strategy/device/backend combinations before any process is started."""
+"""Validation before any process starts, in one place; root causes are reported first.
+
+Two moments, because some settings make the Trainer itself fail to build:
+
+* :func:`check_config`, on the config, before anything is built: model/data pairing, devices,
+  accelerator, backend, rendezvous port, the SIGTERM interval;
+* :func:`preflight`, once the Trainer and model exist and before any rank is launched: each
+  strategy's own ``validate(trainer, model)`` (model structure first, then its settings), then the
+  global-batch rule. The project's launchers call it too, so ``Trainer(strategy=...)`` users get
+  the same checks without ``src/train.py``.
+"""
 
 from __future__ import annotations
 
 import os
 
+import lightning as L
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from src.strategies import lightning_compat as compat
+from src.strategies.batch import per_replica_batch_size
 from src.strategies.ports import port_in_use
+from src.strategies.sigterm import check_interval
 from src.utils.errors import ConfigError
 
 _GPU_NAMES = ("gpu", "cuda")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything the composed config alone can show, before any object is built."""
+    check_model_data_pair(cfg)
+    check_trainer_config(cfg.trainer)
+    check_interval(cfg.get("sigterm_check_every_n_batches", 10))
+
+
+def check_model_data_pair(cfg: DictConfig) -> None:
+    """The toy regression model needs the toy data, and classifiers need labelled images."""
+    regression_model = str(cfg.model.get("_target_", "")).endswith("RegressionModule")
+    regression_data = "num_classes" not in cfg.data
+    if regression_model and not regression_data:
+        raise ConfigError("model=toy is a regression model for synthetic vectors: use data=toy (or experiment=toy)")
+    if regression_data and not regression_model:
+        raise ConfigError("data=toy is regression data: use model=toy (or experiment=toy)")
 
 
 def _strategy_option(trainer_cfg: DictConfig, key: str):
@@ -35,10 +66,6 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
     if uses_gpu and isinstance(devices, int) and devices > gpus:
         raise ConfigError(f"trainer.devices={devices} but only {gpus} GPU(s) are visible: lower trainer.devices")
 
-    if trainer_cfg.get("sync_batchnorm") and not uses_gpu:
-        raise ConfigError("trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm is GPU-only): "
-                          "set trainer.sync_batchnorm=false on CPU")
-
     backend = _strategy_option(trainer_cfg, "process_group_backend")
     if backend == "nccl" and not uses_gpu:
         raise ConfigError("process_group_backend=nccl needs CUDA GPUs: use gloo on CPU (or leave it null for auto)")
@@ -61,3 +88,17 @@ def _check_rendezvous_port() -> None:
     if port and is_host and port_in_use(int(port), os.environ.get("MASTER_ADDR", "127.0.0.1")):
         raise ConfigError(f"MASTER_PORT={port} is already in use on this machine: unset it to pick a free port, "
                           "or choose another")
+
+
+def preflight(trainer: L.Trainer, model: L.LightningModule, datamodule: L.LightningDataModule | None = None) -> None:
+    """Check the strategy against ``model``, then the global batch (idempotent, cheap)."""
+    strategy = trainer.strategy
+    validate = getattr(strategy, "validate", None)
+    if callable(validate):
+        validate(trainer, model)
+    if compat.layer_sync_of(strategy) is not None and strategy.root_device.type != "cuda":
+        raise ConfigError("trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm is GPU-only): "
+                          "set trainer.sync_batchnorm=false on CPU")
+    batch = getattr(datamodule, "hparams", {}).get("batch_size") if datamodule is not None else None
+    if isinstance(batch, int) and not isinstance(batch, bool):
+        per_replica_batch_size(batch, strategy)

@@ -1,0 +1,29 @@
+"""The global-batch rule, in one place: how a global batch splits over a strategy's replicas.
+
+``data.batch_size`` is the global batch. Each data-parallel replica (a DDP rank, or one replica of a
+whole pipeline) gets ``batch_size / replicas``, and a pipeline cuts that into ``n_microbatches``.
+dp is one process: it takes the whole batch and needs at least one sample per device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from src.utils.errors import ConfigError
+
+
+def per_replica_batch_size(global_batch: int, strategy: Any) -> int:
+    """``global_batch // replicas`` for ``strategy``; a ConfigError naming a batch size that works."""
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    replicas = int(kwargs.get("num_replicas", 1))
+    micro = int(getattr(strategy, "n_microbatches", 1))
+    devices = len(getattr(strategy, "parallel_devices", None) or []) if replicas == 1 else 1
+    unit = replicas * micro
+    if global_batch % unit:
+        split = f"{replicas} data-parallel replica(s)" + (f" x {micro} micro-batches" if micro > 1 else "")
+        raise ConfigError(f"data.batch_size={global_batch} is the global batch and must split evenly over {split}: "
+                          f"use a multiple of {unit}")
+    if getattr(strategy, "strategy_name", None) == "dp" and global_batch < devices:
+        raise ConfigError(f"data.batch_size={global_batch} cannot give each of the {devices} dp devices a sample: "
+                          f"raise data.batch_size to at least {devices}")
+    return global_batch // replicas

@@ -1,0 +1,235 @@
+"""Every private Lightning and torch name the project touches, in one place, checked at import.
+
+Lightning has no public setting for a few things the strategies need: a launcher that checks the
+run before any rank starts, Hydra's per-job child command, a cheaper SIGTERM check, CPU replicas
+for dp. Each is a small named function or mixin below, saying what it buys. All were checked
+against lightning 2.6.6 and torch 2.14.1. If a release renames one of these names, importing this
+module fails with one line naming the version and the feature, never a silent no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning
+import torch
+from lightning.fabric.utilities import optimizer as fabric_optimizer
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
+from lightning.pytorch.strategies.launchers import subprocess_script
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from torch import nn
+
+CHECKED_AGAINST = "lightning 2.6.6 and torch 2.14.1"
+
+
+class LightningVersionError(ImportError):
+    """A private name the project relies on is missing from the installed Lightning or torch."""
+
+
+def require(owner: Any, name: str, feature: str) -> None:
+    """Raise :class:`LightningVersionError` when ``owner`` (module, class or instance) lacks ``name``."""
+    if not hasattr(owner, name):
+        where = getattr(owner, "__name__", None) or type(owner).__name__
+        raise LightningVersionError(
+            f"lightning {lightning.__version__} / torch {torch.__version__}: {where} has no {name!r}, which "
+            f"{feature} needs; this project was checked against {CHECKED_AGAINST}: pin those versions"
+        )
+
+
+def check_private_names() -> None:
+    """Check every private name below; run at import, and by the tests with names taken away."""
+    for owner, name, feature in (
+        (subprocess_script, "_hydra_subprocess_cmd", "the per-job Hydra child command"),
+        (subprocess_script, "_SubprocessScriptLauncher", "the pre-flight launcher (popen)"),
+        (mp_launcher, "_MultiProcessingLauncher", "the pre-flight launcher (spawn)"),
+        (DDPStrategy, "_configure_launcher", "the pre-flight launcher"),
+        (_TrainingEpochLoop, "_broadcast_sigterm_tensor", "the agreed SIGTERM stop"),
+        (_SignalConnector, "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
+        (fabric_optimizer, "_optimizers_to_device", "moving a pipeline stage's optimizer state"),
+        (fabric_optimizer, "_optimizer_to_device", "moving a pipeline stage's optimizer state"),
+        (nn.Module, "_replicate_for_data_parallel", "dp replicas on CPU"),
+    ):
+        require(owner, name, feature)
+    module = LightningModule()  # instance attributes: cheap to build, nothing is allocated
+    require(module, "_current_fx_name", "fast hook-name writes")
+    strategy = DDPStrategy()
+    for name in ("_start_method", "_layer_sync", "_launcher"):
+        require(strategy, name, "the project's strategies")
+
+
+# -- launchers: pre-flight checks and Hydra's per-job child command --------------------------------
+_HYDRA_CHILD_COMMAND = "_hydra_subprocess_cmd"  # subprocess_script: builds a child rank's command under Hydra
+
+
+@contextlib.contextmanager
+def hydra_child_command(command: Callable[[int], tuple[list[str], str]]) -> Iterator[None]:
+    """Within the block, Lightning starts child ranks under Hydra with ``command(local_rank)``.
+
+    Stock Lightning replays the parent's ``sys.argv``, which in a multirun is the whole sweep.
+    """
+    previous = getattr(subprocess_script, _HYDRA_CHILD_COMMAND)
+    setattr(subprocess_script, _HYDRA_CHILD_COMMAND, command)
+    try:
+        yield
+    finally:
+        setattr(subprocess_script, _HYDRA_CHILD_COMMAND, previous)
+
+
+def _run_preflight(trainer: Trainer | None, args: tuple) -> None:
+    from src.strategies.preflight import preflight  # the project's checks; imported late (no cycle)
+
+    if trainer is not None and trainer.lightning_module is not None:
+        datamodule = next((a for a in args if isinstance(a, lightning.LightningDataModule)), None)
+        preflight(trainer, trainer.lightning_module, datamodule)
+
+
+class PreflightSubprocessLauncher(subprocess_script._SubprocessScriptLauncher):
+    """Lightning's popen launcher: checks the run first, then starts child ranks with this Hydra job's command."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        from src.strategies.hydra_child import child_command
+
+        _run_preflight(trainer, args)
+        with hydra_child_command(child_command):
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class PreflightMultiprocessingLauncher(mp_launcher._MultiProcessingLauncher):
+    """Lightning's spawn launcher: checks the run first, in the parent, before any rank starts."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        _run_preflight(trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class PreflightLaunch:
+    """Mixin for a :class:`DDPStrategy` subclass: its launcher runs :func:`src.strategies.preflight.preflight`.
+
+    ``_configure_launcher`` is the hook Lightning's own strategies override to pick a launcher.
+    """
+
+    def _configure_launcher(self) -> None:
+        if self._start_method == "popen":
+            self._launcher = PreflightSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = PreflightMultiprocessingLauncher(self, start_method=self._start_method)
+
+
+def launcher_of(strategy: Strategy) -> Any:
+    return strategy._launcher
+
+
+def layer_sync_of(strategy: Strategy) -> Any:
+    """The SyncBatchNorm plugin the Trainer gave ``strategy`` (``sync_batchnorm=True``), or None."""
+    return getattr(strategy, "_layer_sync", None)
+
+
+def start_method_of(strategy: DDPStrategy) -> str:
+    return strategy._start_method
+
+
+# -- SIGTERM: replace Lightning's per-batch broadcast with an agreement every N batches --------------
+_PER_BATCH_CHECK = "_broadcast_sigterm_tensor"  # _TrainingEpochLoop: a broadcast + host sync before every batch
+_SIGTERM_HANDLER = "_sigterm_notifier_fn"  # _SignalConnector: the SIGTERM handler registered at each run
+
+
+def replace_sigterm_check(trainer: Trainer, per_batch_check: Callable[[], None],
+                          handler: Callable[[int, Any], None]) -> None:
+    """Install ``per_batch_check`` before every training batch and ``handler`` as the SIGTERM handler.
+
+    Must run before Lightning registers its signal handlers (the strategy's ``setup`` does).
+    """
+    require(trainer, "_signal_connector", "the agreed SIGTERM stop")
+    setattr(trainer.fit_loop.epoch_loop, _PER_BATCH_CHECK, per_batch_check)
+    setattr(trainer._signal_connector, _SIGTERM_HANDLER, handler)
+
+
+def mark_sigterm_received(trainer: Trainer) -> None:
+    """Tell Lightning this rank was signalled, so it stops (and its callbacks see it) as after its own handler."""
+    trainer._signal_connector.received_sigterm = True
+
+
+# -- module and optimizer speed/placement --------------------------------------------------------------
+class FastHookName:
+    """Mixin for a LightningModule: stores Lightning's ``_current_fx_name`` without ``nn.Module.__setattr__``.
+
+    Lightning writes the current hook's name about 40 times per training step; ``nn.Module.__setattr__``
+    checks each write against parameters, submodules and buffers. A string is none of them.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_current_fx_name":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch: check CUDA availability through NVML
+
+
+def cheap_cuda_check_without_gpus() -> None:
+    """On a machine with no visible GPU, make ``torch.cuda.is_available()`` cheap again.
+
+    ``import lightning`` sets the NVML switch so availability checks do not initialise CUDA before a
+    fork. Every ``optimizer.step()`` asks whether CUDA is available; with the switch and no GPU a
+    CUDA build of torch loads NVML each time. Without a GPU no CUDA state exists for a fork to break.
+    """
+    if os.environ.get(_NVML_CHECK) == "1" and not torch.cuda.is_available():
+        os.environ[_NVML_CHECK] = "0"
+
+
+def optimizers_to_device(optimizers: list, device: torch.device) -> None:
+    """Move every optimizer's state tensors to ``device`` (Lightning's own helper)."""
+    fabric_optimizer._optimizers_to_device(optimizers, device)
+
+
+def optimizer_to_device(optimizer: Any, device: torch.device) -> None:
+    fabric_optimizer._optimizer_to_device(optimizer, device)
+
+
+def lightning_module_of(strategy: Strategy) -> LightningModule | None:
+    """The strategy's module without the assertion of the public property (None before ``connect``)."""
+    return strategy._lightning_module
+
+
+# -- dp: CPU replicas that share the root's parameters -------------------------------------------------
+def replica_sharing_parameters(module: nn.Module) -> nn.Module:
+    """A replica of ``module`` that uses the SAME parameter tensors and private copies of the buffers.
+
+    Gradients of every replica accumulate into the shared ``.grad``; in-place buffer updates
+    (BatchNorm running stats) go to the copies and are dropped, as with ``nn.DataParallel``, where
+    only device 0's replica shares the root's buffers. Built like ``torch.nn.parallel.replicate``,
+    whose broadcast step needs CUDA.
+    """
+    copies = {m: m._replicate_for_data_parallel() for m in module.modules()}
+    for original, replica in copies.items():
+        replica._parameters = dict(original._parameters)
+        replica._buffers = {k: None if b is None else b.clone() for k, b in original._buffers.items()}
+        replica._modules = {k: None if c is None else copies[c] for k, c in original._modules.items()}
+    return copies[module]
+
+
+def point_replica_at(replica: nn.Module, device: torch.device) -> None:
+    """So ``self.device`` of a LightningModule/Metric replica made by ``nn.parallel.replicate`` is its own."""
+    for sub in replica.modules():
+        if "_device" in sub.__dict__:
+            sub._device = device
+
+
+def bound_forwards(module: nn.Module) -> list[str]:
+    """Submodules whose forward is bound to the instance: a patched ``forward`` or ``nn.Module.compile``.
+
+    A replica copies the instance ``__dict__``, so such a forward would still run the original
+    module's parameters instead of the replica's.
+    """
+    return [name or "<root>" for name, m in module.named_modules()
+            if "forward" in m.__dict__ or m.__dict__.get("_compiled_call_impl") is not None]
+
+
+check_private_names()
