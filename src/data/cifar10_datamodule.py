@@ -47,7 +47,7 @@ class CIFAR10DataModule(InMemoryDataModule):
         batch_size: int = 128,
         val_size: int = 5000,
         num_workers: int = 0,
-        pin_memory: bool = False,
+        pin_memory: bool | str = "auto",
         seed: int = 12345,
         channels: int | None = None,
         image_size: int | None = None,
@@ -87,5 +87,6 @@ class CIFAR10DataModule(InMemoryDataModule):
     def transform_batch(self, inputs: Tensor, training: bool) -> Tensor:
         images = to_unit_float(inputs)
         if training and self.hparams.augment:
-            images = random_hflip(random_crop(images, padding=4))
+            generator = self.augmentation_generator(images.device)
+            images = random_hflip(random_crop(images, padding=4, generator=generator), generator=generator)
         return normalize(images, CIFAR10_MEAN, CIFAR10_STD)

@@ -43,7 +43,7 @@ class MNISTDataModule(InMemoryDataModule):
         batch_size: int = 128,
         val_size: int = 5000,
         num_workers: int = 0,
-        pin_memory: bool = False,
+        pin_memory: bool | str = "auto",
         seed: int = 12345,
         channels: int | None = None,
         image_size: int | None = None,
@@ -112,9 +112,10 @@ class MNISTDataModule(InMemoryDataModule):
     def transform_batch(self, inputs: Tensor, training: bool) -> Tensor:
         images = to_unit_float(inputs)
         if training and self.hparams.augment:
-            images = random_crop(images, padding=2)
+            generator = self.augmentation_generator(images.device)
+            images = random_crop(images, padding=2, generator=generator)
             if self.hparams.dataset == "fashion_mnist":  # clothing is left-right symmetric; digits are not
-                images = random_hflip(images)
+                images = random_hflip(images, generator=generator)
         return normalize(images, self.mean, self.std)
 
 

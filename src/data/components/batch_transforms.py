@@ -34,12 +34,12 @@ def _channel_stats(mean: tuple, std: tuple, dtype: torch.dtype, device: torch.de
             torch.as_tensor(std, dtype=dtype, device=device).view(shape))
 
 
-def random_crop(images: Tensor, padding: int) -> Tensor:
+def random_crop(images: Tensor, padding: int, generator: torch.Generator | None = None) -> Tensor:
     """Zero-pad by ``padding`` and crop back to the original size at an independent random offset per image."""
     n, _, h, w = images.shape
     padded = F.pad(images, (padding, padding, padding, padding))
-    off_y = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device)
-    off_x = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device)
+    off_y = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device, generator=generator)
+    off_x = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device, generator=generator)
     rows = (off_y + torch.arange(h, device=images.device))[:, :, None]  # (N, H, 1)
     cols = (off_x + torch.arange(w, device=images.device))[:, None, :]  # (N, 1, W)
     batch = torch.arange(n, device=images.device)[:, None, None]
@@ -47,7 +47,7 @@ def random_crop(images: Tensor, padding: int) -> Tensor:
     return padded[batch, :, rows, cols].permute(0, 3, 1, 2).contiguous()
 
 
-def random_hflip(images: Tensor, p: float = 0.5) -> Tensor:
+def random_hflip(images: Tensor, p: float = 0.5, generator: torch.Generator | None = None) -> Tensor:
     """Mirror each image horizontally with probability ``p``."""
-    flip = torch.rand(images.shape[0], device=images.device) < p
+    flip = torch.rand(images.shape[0], device=images.device, generator=generator) < p
     return torch.where(flip[:, None, None, None], images.flip(3), images)
