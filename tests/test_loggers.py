@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import yaml
 from lightning import Trainer
 from torch import nn
 
+from src.utils.job_setup import LoadDotenv
 from src.utils.logging_utils import HyperparameterLogger, log_hyperparameters
 from tests.helpers.entry import run_entry
 
@@ -23,6 +25,7 @@ TINY = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "+trainer.limit_train
 def _train(tmp_path: Path, *overrides: str) -> Path:
     run_dir = tmp_path / "run"
     proc = run_entry("train", *TINY, f"paths.log_dir={tmp_path}", f"hydra.run.dir={run_dir}", *overrides,
+                     f"logger.mlflow.tracking_uri=file:{tmp_path}/mlflow/mlruns",  # not a server from .env
                      env={"WANDB_SILENT": "true"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
@@ -119,3 +122,16 @@ def test_nothing_to_log_without_a_logger(cfg_train):
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     log_hyperparameters({"cfg": cfg_train, "model": nn.Linear(2, 2), "trainer": trainer})
     assert not any(isinstance(cb, HyperparameterLogger) for cb in trainer.callbacks)
+
+
+@pytest.mark.fast
+def test_dotenv_keys_loaded_shell_wins(tmp_path, monkeypatch):
+    env_file = tmp_path / ".env"
+    env_file.write_text("LHT_TEST_KEY=from-file\nLHT_TEST_SHELL=from-file\n")
+    for name in ("LHT_TEST_KEY", "LHT_TEST_SHELL"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)  # restored (unset) after the test
+    monkeypatch.setenv("LHT_TEST_SHELL", "from-shell")
+    LoadDotenv(str(env_file)).on_job_start(config=None)
+    assert os.environ["LHT_TEST_KEY"] == "from-file"
+    assert os.environ["LHT_TEST_SHELL"] == "from-shell"
