@@ -98,9 +98,13 @@ class StepModule(compat.FastHookName, LightningModule):
 
         Every rank is seeded alike, so the weights start equal, and Lightning's DDP strategy re-applies
         that seed at setup: left so, every rank would draw the same masks on different data. The
-        stream derives from that seed and the global rank (:func:`src.utils.seeding.rank_seed`).
+        stream derives from that seed and the global rank (:func:`src.utils.seeding.rank_seed`). Only
+        the CPU and this rank's current GPU are reseeded: the dp strategy has already given each of
+        its other GPUs a stream of its own.
         """
-        torch.manual_seed(rank_seed(torch.initial_seed(), self.global_rank, "model"))
+        seed = rank_seed(torch.initial_seed(), self.global_rank, "model")
+        torch.default_generator.manual_seed(seed)
+        torch.cuda.manual_seed(seed)  # the current device only (lazily, if CUDA is not initialised yet)
 
     def on_train_start(self) -> None:
         if self.best_of:  # the sanity check must not count towards the best value
