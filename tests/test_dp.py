@@ -216,8 +216,9 @@ def test_bad_configurations_fail_early():
         _trainer("dp", 2, num_nodes=2)
     with pytest.raises(ConfigError, match="dp is single-process"):
         _trainer(DataParallelStrategy(), 2, num_nodes=2)
-    with pytest.raises(ConfigError, match="sync_batchnorm=false"):
-        _trainer("dp", 2, sync_batchnorm=True)
+    with pytest.raises(ConfigError, match="sync_batchnorm=false"):  # at fit, before any step
+        _trainer("dp", 2, sync_batchnorm=True, max_steps=1).fit(
+            RecordingRegression(), ToyDataModule(num_samples=64, val_size=16, batch_size=8))
     with pytest.raises(ConfigError, match="needs the StepModule protocol.*BoringModel lacks model_step"):
         _trainer("dp", 2, max_steps=1).fit(BoringModel())
     compiled = RegressionModule(net=ToyNet(), optimizer=partial(torch.optim.SGD, lr=0.1), compile=True)
@@ -228,8 +229,8 @@ def test_bad_configurations_fail_early():
 @pytest.mark.fast
 def test_batch_smaller_than_devices_is_a_clear_error():
     data = ToyDataModule(num_samples=64, val_size=16, batch_size=1)
-    with pytest.raises(
-        ConfigError, match="batch of 1 samples cannot be split across 2 dp devices; raise data.batch_size"
+    with pytest.raises(  # the global-batch rule, before sanity validation or any step
+        ConfigError, match="data.batch_size=1 cannot give each of the 2 dp devices a sample: raise data.batch_size"
     ):
         _trainer("dp", 2, max_steps=1, limit_val_batches=0).fit(RecordingRegression(), data)
 

@@ -1,8 +1,8 @@
 """The ``pipeline`` strategy: split, schedules, exactness against one device, pp x dp, checkpoints, bad input.
 
 Multi-process tests run real Lightning fits inside processes started by ``run_workers``
-(gloo on CPU); Lightning joins the existing process group. Each spawned group runs many
-checks to keep start-up costs down.
+(gloo on CPU); Lightning joins the existing process group. Each scenario has its own spawn, so
+one failure cannot hide another.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from src.models.step_module import STAGES
 from src.strategies.pipeline import checkpoint as ckpt
 from src.strategies.pipeline.mesh import resolve_layout
 from src.strategies.pipeline.partition import balanced_split, plan_stages, split_table
-from src.strategies.pipeline.runner import PipelineRunner
 from src.strategies.pipeline.schedule import check_schedule, stage_indices
 from src.strategies.pipeline.strategy import PipelineStrategy
 from src.utils.errors import ConfigError
@@ -168,11 +167,13 @@ def test_layout_and_schedule_constraints():
 
 
 @pytest.mark.fast
-def test_bad_layouts_fail_when_the_trainer_is_built():
+def test_bad_layouts_fail_before_any_process_starts():
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(stages=3), logger=False)
     with pytest.raises(ConfigError, match="stages=3 x dp_size=1"):
-        Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(stages=3), logger=False)
+        trainer.fit(CountingRegression(_mlp()), datamodule=_toy_data())
+    trainer = Trainer(accelerator="cpu", devices=4, strategy=PipelineStrategy(n_microbatches=2), logger=False)
     with pytest.raises(ConfigError, match="1F1B needs n_microbatches"):
-        Trainer(accelerator="cpu", devices=4, strategy=PipelineStrategy(n_microbatches=2), logger=False)
+        trainer.fit(CountingRegression(_mlp()), datamodule=_toy_data())
     assert "pipeline" in StrategyRegistry
     assert isinstance(Trainer(accelerator="cpu", devices=2, strategy="pipeline", logger=False).strategy,
                       PipelineStrategy)
@@ -196,9 +197,18 @@ def test_bad_models_fail_before_any_process_starts(model, trainer_kwargs, messag
 
 
 @pytest.mark.fast
+def test_root_cause_is_reported_first():
+    """8 stages for a 2-block net also breaks 1F1B's micro-batch count and the batch split: the blocks come first."""
+    trainer = Trainer(accelerator="cpu", devices=8, strategy=PipelineStrategy(n_microbatches=4), logger=False)
+    with pytest.raises(ConfigError, match="model.net has 2 blocks, fewer than the 8 pipeline stages"):
+        trainer.fit(CountingRegression(ToyNet()), datamodule=_toy_data(batch_size=30))
+
+
+@pytest.mark.fast
 def test_batch_that_does_not_split_is_refused_before_any_process_starts():
     trainer = Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=4), logger=False)
-    with pytest.raises(ConfigError, match="data.batch_size=30 gives 30 samples per pipeline replica"):
+    with pytest.raises(ConfigError, match=r"data.batch_size=30 .* 1 data-parallel replica\(s\) x 4 micro-batches: "
+                                          r"use a multiple of 4"):
         trainer.fit(CountingRegression(ToyNet()), datamodule=_toy_data(batch_size=30))
 
 
@@ -210,11 +220,24 @@ def test_predict_is_refused_before_any_process_starts():
 
 
 @pytest.mark.fast
-def test_training_batch_must_split_into_micro_batches():
-    runner = PipelineRunner([(0, nn.Linear(2, 2))], 2, mesh=None, device=torch.device("cpu"), schedule="GPipe",
-                            n_microbatches=4, criterion=F.mse_loss)
-    with pytest.raises(ConfigError, match="training batch of 30 samples does not split into n_microbatches=4"):
-        runner.train_step(torch.randn(30, 2), torch.randn(30, 2))
+def test_one_global_batch_rule_for_every_strategy():
+    """One function owns the split: replicas x micro-batches for a pipeline, replicas for DDP, >= devices for dp."""
+    from src.strategies.batch import per_replica_batch_size
+    from src.strategies.dp import DataParallelStrategy
+
+    pipe = Trainer(accelerator="cpu", devices=4, strategy=PipelineStrategy(dp_size=2, n_microbatches=4),
+                   logger=False).strategy
+    assert per_replica_batch_size(64, pipe) == 32
+    with pytest.raises(ConfigError, match="2 data-parallel replica\\(s\\) x 4 micro-batches: use a multiple of 8"):
+        per_replica_batch_size(36, pipe)
+    ddp = Trainer(accelerator="cpu", devices=3, strategy="ddp", logger=False).strategy
+    assert per_replica_batch_size(12, ddp) == 4
+    with pytest.raises(ConfigError, match="3 data-parallel replica\\(s\\): use a multiple of 3"):
+        per_replica_batch_size(10, ddp)
+    dp = Trainer(accelerator="cpu", devices=4, strategy=DataParallelStrategy(), logger=False).strategy
+    assert per_replica_batch_size(6, dp) == 6  # one process: dp splits the whole batch itself, unevenly if need be
+    with pytest.raises(ConfigError, match="each of the 4 dp devices a sample"):
+        per_replica_batch_size(3, dp)
 
 
 @pytest.mark.fast
@@ -259,7 +282,7 @@ def test_optimizer_state_merges_by_name_and_splits_back():
 # ----------------------------------------------------------------------------------------------
 # 2 processes: each schedule equals one device; eval padding; balance=time; exact resume
 # ----------------------------------------------------------------------------------------------
-def _two_stage_worker(rank: int, world_size: int, root: str) -> dict:
+def _schedules_worker(rank: int, world_size: int) -> dict:
     out: dict = {}
     for name, per_rank in SCHEDULES:
         seed_everything(0)
@@ -285,8 +308,11 @@ def _two_stage_worker(rank: int, world_size: int, root: str) -> dict:
             "test_seen": float(trainer.callback_metrics["test/seen"]),
             "local_blocks": [n for n, _ in model.net.named_children()],
         }
+    return out
 
-    # gradient accumulation: two batches, one step, the mean of their gradients
+
+def _accumulate_worker(rank: int, world_size: int) -> float | None:
+    """Gradient accumulation: two batches, one step, the mean of their gradients."""
     seed_everything(0)
     net = _mlp()
     reference = copy.deepcopy(net)
@@ -295,15 +321,20 @@ def _two_stage_worker(rank: int, world_size: int, root: str) -> dict:
     trainer.fit(CountingRegression(net), datamodule=_toy_data())
     state = trainer.strategy.lightning_module_state_dict()
     pair = [torch.cat([recorder.batches[0][i], recorder.batches[1][i]]) for i in (0, 1)]  # equal halves
-    out["accumulate"] = _max_diff(state, _reference_steps(reference, [pair])) if rank == 0 else None
+    return _max_diff(state, _reference_steps(reference, [pair])) if rank == 0 else None
 
-    # balance=time: rank 0 measures, every rank gets the same split
+
+def _time_plan_worker(rank: int, world_size: int) -> list:
+    """balance=time: rank 0 measures, every rank gets the same split."""
     seed_everything(0)
     strategy = PipelineStrategy(balance="time", n_microbatches=2)
     _trainer(strategy, world_size, max_steps=1).fit(CountingRegression(_mlp()), datamodule=_toy_data())
-    out["time_plan"] = [s.blocks for s in strategy._plan]
+    return [s.blocks for s in strategy._plan]
 
-    # resume: 2 epochs + resume to 3 == 3 epochs straight (weights, optimizer, sampler epoch)
+
+def _resume_worker(rank: int, world_size: int, root: str) -> dict:
+    """2 epochs + resume to 3 == 3 epochs straight (weights, optimizer, sampler epoch)."""
+
     def fit(epochs: int, ckpt_path=None, save=False):
         seed_everything(0)
         model = CountingRegression(ToyNet(), lr=0.05)
@@ -316,32 +347,101 @@ def _two_stage_worker(rank: int, world_size: int, root: str) -> dict:
     fit(2, save=True)
     resumed, step = fit(3, ckpt_path=f"{root}/last.ckpt")
     straight, _ = fit(3)
-    out["resume"] = {"step": step, "diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)
-                     if rank == 0 else None}
-    return out
+    return {"step": step, "diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)
+            if rank == 0 else None}
+
+
+class RecordingPipeline(PipelineStrategy):
+    """Records which blocks this rank holds when the model is moved to its device."""
+
+    def model_to_device(self) -> None:
+        self.blocks_at_move = [n for n, _ in self.lightning_module.net.named_children()]
+        super().model_to_device()
+
+
+class PlacementProbe(Callback):
+    """The parameters this rank holds at every point after setup."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def _record(self, point: str, module) -> None:
+        self.seen.append((point, sum(p.numel() for p in module.parameters())))
+
+    def on_fit_start(self, trainer, module):
+        self._record("fit_start", module)
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self._record("train_batch", module)
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        self._record("val_batch", module)
+
+    def on_test_start(self, trainer, module):
+        self._record("test_start", module)
+
+
+def _placement_worker(rank: int, world_size: int) -> dict:
+    seed_everything(0)
+    net = _mlp()
+    stage_params = {0: sum(p.numel() for b in (net.fc0, net.fc1) for p in b.parameters()),
+                    1: sum(p.numel() for b in (net.fc2, net.head) for p in b.parameters())}
+    strategy, probe = RecordingPipeline(n_microbatches=4), PlacementProbe()
+    trainer = _trainer(strategy, world_size, max_steps=2, limit_val_batches=1, callbacks=[probe])
+    model = CountingRegression(net)
+    trainer.fit(model, datamodule=_toy_data())
+    fit_move = strategy.blocks_at_move
+    trainer.test(model, datamodule=_toy_data(), verbose=False)
+    return {"moved": [fit_move, strategy.blocks_at_move], "seen": probe.seen, "expected": stage_params[rank],
+            "full": sum(stage_params.values())}
 
 
 @pytest.mark.slow
-def test_two_stage_pipeline_matches_one_device(tmp_path):
+def test_each_schedule_matches_one_device():
     """Proof 1: for every schedule, one optimizer step of 2 stages x 4 micro-batches gives the unsplit
     model's parameters after one step on the same batch (1e-5), so the schedule's 1/n_microbatches
-    gradient scaling yields the full-batch-mean gradient. Also: logged train loss and test loss (last
-    test batch of 2 padded to 4 micro-batches) are exact, gradient accumulation over 2 batches equals
-    one step on both, balance=time agrees across ranks, and a checkpoint resumes exactly."""
-    results = run_workers(_two_stage_worker, 2, str(tmp_path), timeout=300)
+    gradient scaling yields the full-batch-mean gradient. Logged train loss and test loss (last test
+    batch of 2 padded to 4 micro-batches) are exact, and each rank keeps only its own blocks."""
+    results = run_workers(_schedules_worker, 2, timeout=300)
     for name, _ in SCHEDULES:
         assert results[0][name]["diff"] < 1e-5, name
         for rank in (0, 1):
             r = results[rank][name]
             assert r["loss_diff"] < 1e-5 and r["test_diff"] < 1e-5, (name, rank, r)
             assert r["test_seen"] == 50  # every test sample once, none of the padding
-    # each rank keeps only its own blocks
     assert results[0]["1F1B"]["local_blocks"] == ["fc0", "fc1"]
     assert results[1]["1F1B"]["local_blocks"] == ["fc2", "head"]
     assert results[0]["Interleaved1F1B"]["local_blocks"] == ["fc0", "fc2"]
-    assert results[0]["accumulate"] < 1e-5
-    assert results[0]["time_plan"] == results[1]["time_plan"] and len(results[0]["time_plan"]) == 2
-    assert results[0]["resume"]["step"] == 18 and results[0]["resume"]["diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_matches_one_step_on_both_batches():
+    assert run_workers(_accumulate_worker, 2, timeout=300)[0] < 1e-5
+
+
+@pytest.mark.slow
+def test_balance_by_time_agrees_across_ranks():
+    plans = run_workers(_time_plan_worker, 2, timeout=300)
+    assert plans[0] == plans[1] and len(plans[0]) == 2
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_exactly(tmp_path):
+    result = run_workers(_resume_worker, 2, str(tmp_path), timeout=300)[0]
+    assert result["step"] == 18 and result["diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_each_rank_holds_only_its_stage_after_setup():
+    """The split happens on the host before anything moves to the device: no rank ever places the full model,
+    and from setup on each rank holds exactly its own stage's parameters (fit and test)."""
+    results = run_workers(_placement_worker, 2, timeout=300)
+    assert [r["moved"] for r in results] == [[["fc0", "fc1"]] * 2, [["fc2", "head"]] * 2]
+    for r in results:
+        points = {point for point, _ in r["seen"]}
+        assert {"fit_start", "train_batch", "val_batch", "test_start"} <= points
+        assert all(count == r["expected"] for _, count in r["seen"]), r
+        assert r["expected"] < r["full"]
 
 
 # ----------------------------------------------------------------------------------------------

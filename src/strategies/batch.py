@@ -21,7 +21,7 @@ def per_replica_batch_size(global_batch: int, strategy: Any) -> int:
     unit = replicas * micro
     if global_batch % unit:
         split = f"{replicas} data-parallel replica(s)" + (f" x {micro} micro-batches" if micro > 1 else "")
-        raise ConfigError(f"data.batch_size={global_batch} is the global batch and must split evenly over {split}: "
+        raise ConfigError(f"data.batch_size={global_batch} is the global batch and must divide evenly across {split}: "
                           f"use a multiple of {unit}")
     if getattr(strategy, "strategy_name", None) == "dp" and global_batch < devices:
         raise ConfigError(f"data.batch_size={global_batch} cannot give each of the {devices} dp devices a sample: "

@@ -10,6 +10,7 @@ module fails with one line naming the version and the feature, never a silent no
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,25 +43,46 @@ def require(owner: Any, name: str, feature: str) -> None:
         )
 
 
-def check_private_names() -> None:
-    """Check every private name below; run at import, and by the tests with names taken away."""
-    for owner, name, feature in (
-        (subprocess_script, "_hydra_subprocess_cmd", "the per-job Hydra child command"),
-        (subprocess_script, "_SubprocessScriptLauncher", "the pre-flight launcher (popen)"),
-        (mp_launcher, "_MultiProcessingLauncher", "the pre-flight launcher (spawn)"),
-        (DDPStrategy, "_configure_launcher", "the pre-flight launcher"),
-        (_TrainingEpochLoop, "_broadcast_sigterm_tensor", "the agreed SIGTERM stop"),
-        (_SignalConnector, "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
-        (fabric_optimizer, "_optimizers_to_device", "moving a pipeline stage's optimizer state"),
-        (fabric_optimizer, "_optimizer_to_device", "moving a pipeline stage's optimizer state"),
-        (nn.Module, "_replicate_for_data_parallel", "dp replicas on CPU"),
-    ):
-        require(owner, name, feature)
-    module = LightningModule()  # instance attributes: cheap to build, nothing is allocated
-    require(module, "_current_fx_name", "fast hook-name writes")
-    strategy = DDPStrategy()
-    for name in ("_start_method", "_layer_sync", "_launcher"):
-        require(strategy, name, "the project's strategies")
+class SetInInit:
+    """The instance attributes a class's ``__init__`` methods assign (read from their code, nothing is built)."""
+
+    def __init__(self, cls: type) -> None:
+        self.__name__ = cls.__name__
+        names = set()
+        for klass in cls.__mro__:
+            init = inspect.unwrap(klass.__dict__.get("__init__", object.__init__))
+            names.update(getattr(getattr(init, "__code__", None), "co_names", ()))
+        self.names = frozenset(names)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.__dict__.get("names", ()):
+            return True
+        raise AttributeError(name)
+
+
+# (where to look, name, what needs it); "where" is called when checked
+PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
+    (lambda: subprocess_script, "_hydra_subprocess_cmd", "the per-job Hydra child command"),
+    (lambda: subprocess_script, "_SubprocessScriptLauncher", "the pre-flight launcher (popen)"),
+    (lambda: mp_launcher, "_MultiProcessingLauncher", "the pre-flight launcher (spawn)"),
+    (lambda: DDPStrategy, "_configure_launcher", "the pre-flight launcher"),
+    (lambda: SetInInit(DDPStrategy), "_start_method", "the pre-flight launcher"),
+    (lambda: SetInInit(DDPStrategy), "_launcher", "the pre-flight launcher"),
+    (lambda: SetInInit(DDPStrategy), "_layer_sync", "refusing sync_batchnorm where it cannot apply"),
+    (lambda: _TrainingEpochLoop, "_broadcast_sigterm_tensor", "the agreed SIGTERM stop"),
+    (lambda: _SignalConnector, "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
+    (lambda: SetInInit(Trainer), "_signal_connector", "the agreed SIGTERM stop"),
+    (lambda: SetInInit(LightningModule), "_current_fx_name", "fast hook-name writes"),
+    (lambda: fabric_optimizer, "_optimizers_to_device", "moving a pipeline stage's optimizer state"),
+    (lambda: fabric_optimizer, "_optimizer_to_device", "moving a pipeline stage's optimizer state"),
+    (lambda: nn.Module, "_replicate_for_data_parallel", "dp replicas on CPU"),
+)
+
+
+def check_private_names(names: tuple[tuple[Callable[[], Any], str, str], ...] = PRIVATE_NAMES) -> None:
+    """Check every private name the project uses; runs at import (tests run it with names taken away)."""
+    for where, name, feature in names:
+        require(where(), name, feature)
 
 
 # -- launchers: pre-flight checks and Hydra's per-job child command --------------------------------
@@ -121,17 +143,9 @@ class PreflightLaunch:
             self._launcher = PreflightMultiprocessingLauncher(self, start_method=self._start_method)
 
 
-def launcher_of(strategy: Strategy) -> Any:
-    return strategy._launcher
-
-
 def layer_sync_of(strategy: Strategy) -> Any:
     """The SyncBatchNorm plugin the Trainer gave ``strategy`` (``sync_batchnorm=True``), or None."""
     return getattr(strategy, "_layer_sync", None)
-
-
-def start_method_of(strategy: DDPStrategy) -> str:
-    return strategy._start_method
 
 
 # -- SIGTERM: replace Lightning's per-batch broadcast with an agreement every N batches --------------
@@ -145,7 +159,6 @@ def replace_sigterm_check(trainer: Trainer, per_batch_check: Callable[[], None],
 
     Must run before Lightning registers its signal handlers (the strategy's ``setup`` does).
     """
-    require(trainer, "_signal_connector", "the agreed SIGTERM stop")
     setattr(trainer.fit_loop.epoch_loop, _PER_BATCH_CHECK, per_batch_check)
     setattr(trainer._signal_connector, _SIGTERM_HANDLER, handler)
 
@@ -191,11 +204,6 @@ def optimizers_to_device(optimizers: list, device: torch.device) -> None:
 
 def optimizer_to_device(optimizer: Any, device: torch.device) -> None:
     fabric_optimizer._optimizer_to_device(optimizer, device)
-
-
-def lightning_module_of(strategy: Strategy) -> LightningModule | None:
-    """The strategy's module without the assertion of the public property (None before ``connect``)."""
-    return strategy._lightning_module
 
 
 # -- dp: CPU replicas that share the root's parameters -------------------------------------------------
