@@ -11,7 +11,8 @@ STAMP := .make/installed
 
 .DEFAULT_GOAL := help
 .PHONY: help install train train-ddp train-ddp-spawn train-dp train-pipeline train-torchrun test test-fast test-slow \
-        lint format clean synthetic-cifar10 gpu-check train-gpu-ddp train-multinode bench bench-full
+        lint format clean synthetic-cifar10 gpu-check train-gpu-ddp train-multinode bench bench-full \
+        clean-logs pre-commit
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -55,6 +56,10 @@ lint: $(STAMP) ## Check style with ruff
 format: $(STAMP) ## Fix import order and simple style issues with ruff
 	$(PYTHON) -m ruff check --fix .
 
+pre-commit: $(STAMP) ## Install the git hooks (.pre-commit-config.yaml: ruff, then the fast tests) and run them once
+	$(PYTHON) -m pre_commit install
+	$(PYTHON) -m pre_commit run --all-files
+
 bench: $(STAMP) ## Benchmarks, quick (a few min): project vs plain PyTorch -> bench_results/<time>/ (ARGS="--suite throughput")
 	$(PYTHON) -m scripts.bench $(ARGS)
 
@@ -76,6 +81,9 @@ train-gpu-ddp: $(STAMP) ## DDP over all GPUS of this machine with nccl
 train-multinode: $(STAMP) ## One node of a multi-node DDP run: set NNODES, NODE_RANK, MASTER_ADDR (node 0's IP), MASTER_PORT
 	MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT) NODE_RANK=$(NODE_RANK) \
 	$(PYTHON) src/train.py trainer=ddp trainer.num_nodes=$(NNODES) trainer.devices=$(if $(filter 0,$(GPUS)),1,$(GPUS)) $(ARGS)
+
+clean-logs: ## Remove logs/: every run's checkpoints, metrics, configs and MLflow store
+	rm -rf logs/
 
 clean: ## Remove caches and the install stamp (keeps data/ and logs/)
 	rm -rf .make .pytest_cache .ruff_cache
