@@ -20,13 +20,16 @@ from src.models.components.mlp import MLP
 CPU_BACKEND = "model.compile_backend=aot_eager"
 
 
-def compiled_fit_resume_eval(make_cfg, *overrides: str) -> dict:
-    """Fit one epoch with compile on, resume from its last.ckpt for a second, then evaluate that checkpoint."""
+def compiled_fit_resume_eval(make_cfg, *overrides: str, fit_only: tuple[str, ...] = ()) -> dict:
+    """Fit one epoch with compile on, resume from its last.ckpt for a second, then evaluate that checkpoint.
+
+    ``overrides`` apply to all three runs, ``fit_only`` to the first fit (e.g. a test callback).
+    """
     from src.eval import evaluate
     from src.train import train
 
     compiled = ["model.compile=true", *overrides]
-    first, objects = train(make_cfg("train", [*compiled, "test=false"], subdir="fit"))
+    first, objects = train(make_cfg("train", [*compiled, *fit_only, "test=false"], subdir="fit"))
     last = Path(objects["trainer"].checkpoint_callback.dirpath) / "last.ckpt"
     keys = list(torch.load(last, map_location="cpu", weights_only=True)["state_dict"])
 
@@ -34,7 +37,7 @@ def compiled_fit_resume_eval(make_cfg, *overrides: str) -> dict:
         "train", [*compiled, f"ckpt_path={last}", "trainer.max_epochs=2", "test=false"], subdir="resume"))
     evaluated, _ = evaluate(make_cfg("eval", [*compiled, f"ckpt_path={last}"], subdir="eval"))
     return {"keys": keys, "first": first, "resumed": resumed, "resumed_trainer": resumed_objects["trainer"],
-            "evaluated": evaluated, "model": objects["model"]}
+            "evaluated": evaluated, "model": objects["model"], "callbacks": objects["callbacks"]}
 
 
 def assert_compiled_run_round_trips(run: dict) -> None:
