@@ -14,24 +14,23 @@ updates race-free and exact.
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 from lightning import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+# Bound before src.strategies is imported: the pipeline strategy imports StepOutput from here.
+from src.models.step_output import StepOutput
 from src.strategies import lightning_compat as compat
 from src.utils.seeding import rank_seed
 
-
-class StepOutput(TypedDict):
-    loss: Tensor  # mean loss over the samples of this (sub-)batch
-    output: Tensor  # network output, one row per sample
-    target: Tensor
-
+__all__ = ["STAGES", "StepModule", "StepOutput"]
 
 STAGES = ("train", "val", "test")
+
+
 class StepModule(compat.FastHookName, LightningModule):
     """Holds ``net``, builds the optimizer/scheduler from partial configs, and wires the steps.
 
