@@ -10,7 +10,8 @@ if [ ! -d /usr/share/datasets/fashion-mnist ]; then
     [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
     echo "installing Debian package dataset-fashion-mnist (offline Fashion-MNIST)"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist \
+      || echo "dataset-fashion-mnist is not in this distribution: torchvision will download Fashion-MNIST on first use"
   else
     echo "apt-get not found: Fashion-MNIST will be downloaded by torchvision on first use (needs internet)"
   fi
@@ -18,5 +19,5 @@ fi
 
 PYTHON="${PYTHON:-python}"
 # torch is resolved by pip like any other dependency (>=2.4); pin it first if you need a specific build.
-"$PYTHON" -m pip install --quiet -e ".[dev,loggers]"
+"$PYTHON" -m pip install --quiet -e ".[dev,loggers,sweep]"
 "$PYTHON" -c "import torch, lightning, hydra; print(f'torch {torch.__version__}, lightning {lightning.__version__}, hydra {hydra.__version__}')"
