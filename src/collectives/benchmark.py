@@ -5,7 +5,9 @@ the nccl-tests factors (all_reduce ``2(n-1)/n``; all_gather, reduce_scatter, all
 broadcast, reduce ``1``), so busbw is comparable with the link (here: memory/loopback) bandwidth whatever
 the rank count. ``S`` is the full buffer: the all_reduce tensor, the all_gather *output*, the
 reduce_scatter *input*, the all_to_all buffer. ``memcpy`` (``Tensor.copy_`` of ``S`` bytes on every rank
-at once) is this machine's ceiling for the same sizes.
+at once, on the group's device) is the ceiling on a CPU, where gloo's loopback transfers are memory
+copies too. On a GPU it is a copy inside one GPU, faster than any link between GPUs: a reference only,
+and labelled so (``BenchRow.device``).
 
 Iterations of all ops are interleaved (op A, op B, ... then again, in rotating order), so slow phases of a
 shared machine hit every op alike; each iteration's time is the slowest rank's, and the median over
@@ -101,6 +103,7 @@ class BenchRow:
     latency_us: float
     algbw_GBps: float  # noqa: N815 - unit in the name, as printed
     busbw_GBps: float  # noqa: N815
+    device: str = "cpu"  # type of the device the buffers lived on: "cuda" makes memcpy an intra-GPU copy
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -170,7 +173,7 @@ def benchmark_sweep(
             nbytes = numel * elem
             algbw = nbytes / median_s / 1e9
             rows.append(BenchRow(name, nbytes, n, backend, str(dtype).removeprefix("torch."), iters,
-                                 median_s * 1e6, algbw, algbw * busbw_factor(name, n)))
+                                 median_s * 1e6, algbw, algbw * busbw_factor(name, n), device.type))
         del a, b
     return rows, skipped
 
@@ -180,7 +183,7 @@ def _timed_interleaved(calls: dict[str, Callable[[], object]], iters: int, devic
     """Median over iterations of the slowest rank's time, per op. Ops take turns within each iteration, in an
     order rotated every iteration, so no op always inherits the same predecessor's cache and socket state."""
     names = list(calls)
-    local = torch.zeros(len(names), max(1, iters), dtype=torch.float64)
+    local = [[0.0] * max(1, iters) for _ in names]
     for it in range(max(1, iters)):
         for j in range(len(names)):
             k = (j + it) % len(names)
@@ -188,9 +191,11 @@ def _timed_interleaved(calls: dict[str, Callable[[], object]], iters: int, devic
             start = time.perf_counter()
             calls[names[k]]()
             synchronize(device)
-            local[k, it] = time.perf_counter() - start
-    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)  # per-iteration time = slowest rank
-    return {name: statistics.median(local[k].tolist()) for k, name in enumerate(names)}
+            local[k][it] = time.perf_counter() - start
+    # on the group's device: nccl has no CPU tensors (times are kept on the host until here)
+    slowest = torch.tensor(local, dtype=torch.float64, device=device).reshape(len(names), max(1, iters))
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # per-iteration time = slowest rank
+    return {name: statistics.median(slowest[k].tolist()) for k, name in enumerate(names)}
 
 
 def ring_ratio(rows: Sequence[BenchRow], min_bytes: int = 16 << 20) -> dict[int, float]:

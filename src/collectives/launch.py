@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from src.collectives.modes import run_mode, validate_options
+from src.collectives.runtime import cuda_index
 from src.utils.errors import ConfigError
 
 MODES = ("blocking", "non_blocking", "all_reduce", "check", "bench", "ring", "sgd")
@@ -130,7 +131,7 @@ def run_rank(local_rank: int, plan: LaunchPlan, rank: int, world_size: int) -> N
     """Join the process group as ``rank``, run the mode, leave the group."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
     if plan.backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(cuda_index(local_rank, torch.cuda.device_count()))
     kwargs: dict[str, Any] = {"backend": plan.backend, "timeout": timedelta(seconds=plan.timeout_s)}
     if plan.backend != "mpi":  # MPI takes rank and size from mpirun
         kwargs.update(init_method=plan.init_method, rank=rank, world_size=world_size)

@@ -17,6 +17,11 @@ from src.collectives.checks import FAILED, PASSED, CheckReport
 _STYLE = {PASSED: "green", FAILED: "bold red"}
 
 
+def memcpy_label(device_type: str) -> str:
+    """What the memcpy row measures: on a GPU a copy inside one GPU, not the link between GPUs."""
+    return "device memcpy (intra-GPU, not a link)" if device_type == "cuda" else "memcpy (ceiling)"
+
+
 def check_table(report: CheckReport) -> Table:
     """One row per check: status, ranks, expected vs received (or the skip reason)."""
     counts = report.counts()
@@ -32,7 +37,7 @@ def check_table(report: CheckReport) -> Table:
 
 
 def bench_table(rows: Sequence[BenchRow], skipped: Mapping[str, str] | None = None) -> Table:
-    """One row per (op, size), grouped by size, with memcpy beside the ops as the ceiling."""
+    """One row per (op, size), grouped by size, with memcpy beside the ops (see :func:`memcpy_label`)."""
     head = rows[0] if rows else None
     title = f"collective bandwidth - {head.backend}, {head.world_size} ranks, {head.dtype}" if head else "no rows"
     table = Table(title=title, caption="; ".join(f"{op}: {why}" for op, why in (skipped or {}).items()) or None)
@@ -43,7 +48,7 @@ def bench_table(rows: Sequence[BenchRow], skipped: Mapping[str, str] | None = No
         if last_size is not None and r.size_bytes != last_size:
             table.add_section()
         table.add_row(format_size(r.size_bytes) if r.size_bytes != last_size else "",
-                      f"[dim]{r.op}[/]" if r.op == MEMCPY else r.op,
+                      f"[dim]{memcpy_label(r.device)}[/]" if r.op == MEMCPY else r.op,
                       f"{r.latency_us:,.1f}", f"{r.algbw_GBps:.3f}", f"{r.busbw_GBps:.3f}")
         last_size = r.size_bytes
     return table
@@ -72,7 +77,7 @@ def write_csv(path: str | Path, rows: Sequence[BenchRow]) -> Path:
 
 
 def plot_busbw(rows: Sequence[BenchRow], path: str | Path) -> Path:
-    """busbw against message size (log x and y), one line per op; memcpy dashed as the ceiling."""
+    """busbw against message size (log x and y), one line per op; memcpy dashed (see :func:`memcpy_label`)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never open a window (works on headless nodes)
@@ -86,8 +91,8 @@ def plot_busbw(rows: Sequence[BenchRow], path: str | Path) -> Path:
         style = {"linestyle": "--", "color": "black"} if op == MEMCPY else {"marker": "o"}
         if op == "ring_all_reduce":
             style = {"marker": "s", "linestyle": ":"}
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=op if op != MEMCPY else "memcpy (ceiling)",
-                **style)
+        label = memcpy_label(next(r.device for r in rows if r.op == op)) if op == MEMCPY else op
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
     ax.set_xscale("log", base=2)
     if all(r.busbw_GBps > 0 for r in rows):
         ax.set_yscale("log")  # the memcpy ceiling is often 10x the ops: keep both readable

@@ -7,9 +7,10 @@ Baidu "ring all-reduce"). Step ``t`` of both phases receives chunk ``(r - t - 1)
 neighbour and forwards it at step ``t + 1``, so the two phases form one stream.
 
 On gloo/mpi the chunks are further cut into segments and pipelined: a segment is reduced and forwarded as
-soon as it arrives while the next ones are still on the wire. On backends that coalesce point-to-point
-calls (nccl) each step is one ``batch_isend_irecv`` of whole chunks, which avoids send/recv deadlocks
-between a pair of ranks sharing one communicator.
+soon as it arrives while the next ones are still on the wire. nccl runs a rank's point-to-point calls in
+order on one stream, so a receive posted on its own blocks the sends behind it on every rank: there, each
+step is one ``batch_isend_irecv`` of whole chunks by default, and the pipelined schedule posts each
+segment's receive and send together in one batch.
 """
 
 from __future__ import annotations
@@ -65,12 +66,13 @@ def _supports_coalescing(group: dist.ProcessGroup | None, device: torch.device) 
 _WORKSPACE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable receive buffer: a fresh large allocation per call costs page faults on every call."""
-    key = (dtype, device)
+def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reusable receive buffer on ``like``'s device and dtype: a fresh large allocation per call costs page
+    faults on every call."""
+    key = (like.dtype, like.device)
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _WORKSPACE[key] = torch.empty(numel, dtype=dtype, device=device)
+        buf = _WORKSPACE[key] = like.new_empty(numel)
     return buf[:numel]
 
 
@@ -88,7 +90,7 @@ def ring_all_reduce(
 ) -> torch.Tensor:
     """Reduce ``tensor`` over ``group`` in place, like ``dist.all_reduce``, and return it.
 
-    ``op`` is one of SUM, PRODUCT, MAX, MIN. ``segment_bytes`` sets the pipelining grain on gloo/mpi;
+    ``op`` is one of SUM, PRODUCT, MAX, MIN. ``segment_bytes`` sets the pipelining grain;
     ``pipelined=None`` picks the segmented schedule unless the backend coalesces p2p calls (nccl).
     """
     if op not in RING_REDUCE_OPS:
@@ -97,11 +99,12 @@ def ring_all_reduce(
     if n == 1 or tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    coalescing = _supports_coalescing(group, flat.device)
     if pipelined is None:
-        pipelined = not _supports_coalescing(group, flat.device)
+        pipelined = not coalescing
     if pipelined:
         seg = max(1, segment_bytes // flat.element_size())
-        _ring_pipelined(flat, RING_REDUCE_OPS[op], group, n, dist.get_rank(group), seg)
+        _ring_pipelined(flat, RING_REDUCE_OPS[op], group, n, dist.get_rank(group), seg, paired=coalescing)
     else:
         _ring_stepwise(flat, RING_REDUCE_OPS[op], group, n, dist.get_rank(group))
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
@@ -113,7 +116,7 @@ def _ring_stepwise(flat: torch.Tensor, combine, group, n: int, rank: int) -> Non
     """One batched send/recv of whole chunks per step; the reduction follows each step."""
     bounds = chunk_bounds(flat.numel(), n)
     right, left = (rank + 1) % n, (rank - 1) % n
-    scratch = _workspace(bounds[1] - bounds[0], flat.dtype, flat.device)
+    scratch = _workspace(bounds[1] - bounds[0], flat)
     for t in range(2 * (n - 1)):
         s, r = (rank - t) % n, (rank - t - 1) % n
         send = flat[bounds[s]:bounds[s + 1]]
@@ -131,21 +134,23 @@ def _ring_stepwise(flat: torch.Tensor, combine, group, n: int, rank: int) -> Non
             _reduce_into(combine, dest, buf)
 
 
-def _ring_pipelined(flat: torch.Tensor, combine, group, n: int, rank: int, seg: int) -> None:
+def _ring_pipelined(flat: torch.Tensor, combine, group, n: int, rank: int, seg: int, paired: bool = False) -> None:
     """Segment-level pipeline: reduce and forward each segment as soon as it arrives.
 
     Every chunk is cut into the same number of segments. Step ``t`` receives chunk ``(rank - t - 1) % n``
     and step ``t + 1`` forwards that same chunk, so segment ``k`` can go on while segment ``k + 1`` is still
-    arriving. Receives are posted a step ahead: reduce-scatter steps land in one of two scratch buffers
-    (step parity); all-gather steps land in the output itself, once the earlier send of that region
-    (step ``t + 1 - n``) has completed.
+    arriving. Reduce-scatter steps land in one of two scratch buffers (step parity); all-gather steps land
+    in the output itself, once the earlier send of that region (step ``t + 1 - n``) has completed.
+    Receives are posted a step ahead; with ``paired`` (in-order p2p streams, nccl) each segment's receive
+    goes out with its send instead, in one ``batch_isend_irecv``, so no rank's receive waits in front of
+    its own send.
     """
     bounds = chunk_bounds(flat.numel(), n)
     steps = 2 * (n - 1)
     right, left = (rank + 1) % n, (rank - 1) % n
     cap = bounds[1] - bounds[0]
     nseg = max(1, -(-cap // seg))
-    ws = _workspace(2 * cap, flat.dtype, flat.device)
+    ws = _workspace(2 * cap, flat)
     scratch = (ws[:cap], ws[cap:])
     regions: list[list[tuple[int, int]]] = []  # regions[c][k]: element range of segment k of chunk c
     for c in range(n):
@@ -160,38 +165,51 @@ def _ring_pipelined(flat: torch.Tensor, combine, group, n: int, rank: int, seg: 
             sends[t][k].wait()
             sends[t][k] = None  # waiting a finished gloo send a second time hangs
 
-    def post_recv(t: int, k: int) -> None:
+    def recv_buffer(t: int, k: int) -> torch.Tensor | None:
         c = (rank - t - 1) % n
         lo, hi = regions[c][k]
         if hi == lo:
-            return
+            return None
         if t < n - 1:
-            buf = scratch[t % 2][lo - bounds[c]: hi - bounds[c]]
+            bufs[t][k] = scratch[t % 2][lo - bounds[c]: hi - bounds[c]]
         else:
             finish_send(t + 1 - n, k)  # this region left at step t + 1 - n; do not overwrite it in flight
-            buf = flat[lo:hi]
-        bufs[t][k] = buf
-        recvs[t][k] = dist.irecv(buf, group=group, group_src=left, tag=t)
+            bufs[t][k] = flat[lo:hi]
+        return bufs[t][k]
 
-    def post_send(t: int, k: int) -> None:
+    def post(t: int, k: int, recv: bool = True, send: bool = True) -> None:
+        """Post segment ``k`` of step ``t``: its receive and/or its send (one batch when ``paired``)."""
+        buf = recv_buffer(t, k) if recv else None
         lo, hi = regions[(rank - t) % n][k]
-        if hi > lo:
-            sends[t][k] = dist.isend(flat[lo:hi], group=group, group_dst=right, tag=t)
+        out = flat[lo:hi] if send and hi > lo else None
+        if not paired:
+            if buf is not None:
+                recvs[t][k] = dist.irecv(buf, group=group, group_src=left, tag=t)
+            if out is not None:
+                sends[t][k] = dist.isend(out, group=group, group_dst=right, tag=t)
+            return
+        ops = [dist.P2POp(dist.irecv, buf, group=group, group_peer=left, tag=t)] if buf is not None else []
+        ops += [dist.P2POp(dist.isend, out, group=group, group_peer=right, tag=t)] if out is not None else []
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) == len(ops):  # one handle per call (gloo)
+            recvs[t][k] = works[0] if buf is not None else None
+            sends[t][k] = works[-1] if out is not None else None
+        elif works:  # one handle for the whole batch (nccl)
+            recvs[t][k], sends[t][k] = (works[0], None) if buf is not None else (None, works[0])
 
     for k in range(nseg):
-        post_recv(0, k)
-        post_send(0, k)
+        post(0, k)
     for t in range(steps):
         nxt = t + 1 if t + 1 < steps else None
         # With 2 ranks the all-gather receive overwrites the region being sent this very step: post it per
-        # segment once that send is done. Otherwise post the whole next step now.
-        ahead = nxt is not None and (nxt < n - 1 or n > 2)
+        # segment once that send is done. Otherwise post the whole next step now (paired: with the sends).
+        ahead = not paired and nxt is not None and (nxt < n - 1 or n > 2)
         if ahead:
             for k in range(nseg):
-                post_recv(nxt, k)
+                post(nxt, k, send=False)
         for k in range(nseg):
-            if nxt is not None and not ahead:
-                post_recv(nxt, k)
+            if nxt is not None and not ahead and not paired:
+                post(nxt, k, send=False)
             if recvs[t][k] is not None:
                 recvs[t][k].wait()
                 recvs[t][k] = None
@@ -200,7 +218,7 @@ def _ring_pipelined(flat: torch.Tensor, combine, group, n: int, rank: int, seg: 
                     _reduce_into(combine, flat[lo:hi], bufs[t][k])
                 bufs[t][k] = None
             if nxt is not None:
-                post_send(nxt, k)
+                post(nxt, k, recv=paired)
     for t in range(steps):
         for k in range(nseg):
             finish_send(t, k)

@@ -38,11 +38,24 @@ def backend_name(group: dist.ProcessGroup | None = None) -> str:
     return str(dist.get_backend(group)).lower()
 
 
+def cuda_index(local_rank: int, visible: int) -> int:
+    """This process's GPU among the ``visible`` ones: ``local_rank % visible``.
+
+    With every GPU of the node visible that is ``LOCAL_RANK``; when ``CUDA_VISIBLE_DEVICES`` (``srun
+    --gpus-per-task``) shows each process only its own GPU, it is 0, since ``cuda:LOCAL_RANK`` would not exist.
+    """
+    if visible < 1:
+        raise RuntimeError(f"no CUDA device is visible to local rank {local_rank} (check CUDA_VISIBLE_DEVICES)")
+    return local_rank % visible
+
+
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Device that tensors for this backend must live on: ``cuda:LOCAL_RANK`` for nccl, else cpu."""
+    """Device that every tensor handed to this backend must live on: this rank's GPU for nccl, else cpu."""
     if "nccl" in backend_name(group):
         index = os.environ.get("LOCAL_RANK")
-        return torch.device("cuda", int(index) if index is not None else torch.cuda.current_device())
+        if index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", cuda_index(int(index), torch.cuda.device_count()))
     return torch.device("cpu")
 
 

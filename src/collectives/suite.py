@@ -123,11 +123,19 @@ def _send_recv(ctx: CheckContext) -> Outcome:
 
 
 def _isend_irecv(ctx: CheckContext) -> Outcome:
-    """Non-blocking ring shift: post both, then wait."""
+    """Non-blocking ring shift: post both, then wait.
+
+    Even ranks post the send first, odd ranks the receive. nccl runs a rank's point-to-point calls in
+    order on one stream, so if every rank posted its receive first, every rank would wait forever.
+    """
     n, r = ctx.world_size, ctx.rank
     mine, got = _values(r, n, torch.float32, ctx.device), torch.empty(_length(n), device=ctx.device)
-    recv = dist.irecv(got, src=(r - 1) % n)
-    send = dist.isend(mine, dst=(r + 1) % n)
+    post_send = functools.partial(dist.isend, mine, dst=(r + 1) % n)
+    post_recv = functools.partial(dist.irecv, got, src=(r - 1) % n)
+    if r % 2 == 0:
+        send, recv = post_send(), post_recv()
+    else:
+        recv, send = post_recv(), post_send()
     ctx.wait(send)
     ctx.wait(recv)
     return _values((r - 1) % n, n, torch.float32, torch.device("cpu")), got

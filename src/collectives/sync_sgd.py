@@ -145,6 +145,6 @@ def compare_with_ddp(steps: int = 3, batch_size: int = 8, lr: float = 0.1, seed:
         opt_ddp.step()
     param_diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.module.parameters(),
                                                                   strict=True))
-    worst = torch.tensor([grad_diff, param_diff], dtype=torch.float64)
+    worst = torch.tensor([grad_diff, param_diff], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {"max_grad_diff": worst[0].item(), "max_param_diff": worst[1].item(), "steps": float(steps)}

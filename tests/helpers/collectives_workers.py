@@ -1,17 +1,28 @@
-"""Worker functions for ``tests/test_collectives.py``, run on spawned gloo ranks by ``run_workers``.
+"""Worker functions for ``tests/test_collectives*.py``, run on spawned gloo ranks by ``run_workers``, and
+:class:`DeviceOnlyGroup`, which makes a gloo group as strict as nccl about where tensors live.
 
 They live apart from the tests so spawned ranks import only torch and the collectives package, not
-Lightning (about 2.5 s of start-up per rank on this machine). No tests are collected from here.
+Lightning (seconds of start-up per rank). No tests are collected from here.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+import threading
 import time
+import traceback
 import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from src.collectives.benchmark import benchmark_sweep
 from src.collectives.checks import Check, run_checks
@@ -20,6 +31,8 @@ from src.collectives.ring import compare_with_all_reduce, ring_all_reduce
 from src.collectives.runtime import CollectiveError, CollectiveTimeoutError
 from src.collectives.suite import run_suite
 from src.collectives.sync_sgd import compare_with_ddp
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def faulty_all_reduce(ctx):
@@ -120,3 +133,241 @@ def nccl_suite(rank: int, world_size: int, port: int) -> list[tuple[str, str, st
     ring_all_reduce(x)
     dist.all_reduce(y)
     return [(r.op, r.status, r.reason) for r in report.results] + [("ring", str(torch.equal(x, y)), "")]
+
+
+# ====================================================================== a group that takes device tensors only
+
+FAKE_DEVICE = torch.device("cpu", 1)
+"""Stands for the GPU of an nccl group: CPU kernels accept the index, so code runs unchanged on gloo, and
+every call that names this device can be seen."""
+
+_TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+                       "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                       "all_to_all", "all_to_all_single", "scatter", "gather", "send", "recv", "isend", "irecv")
+_P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+
+
+class _MarkNamed(TorchFunctionMode):
+    """Tensors made by a call that names FAKE_DEVICE (``zeros(device=)``, ``tensor(device=)``, ``.to()``)."""
+
+    def __init__(self, owner: DeviceOnlyGroup) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if any(isinstance(a, torch.device) and a == FAKE_DEVICE for a in (*args, *kwargs.values())):
+            self.owner.mark(out)
+        return out
+
+
+class _Spread(TorchDispatchMode):
+    """Results computed from device tensors are device tensors (autograd's backward ops included), as on a
+    GPU; an explicit ``device=`` (``.cpu()``) and in-place writes keep the target's placement."""
+
+    def __init__(self, owner: DeviceOnlyGroup) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not func._schema.is_mutable and kwargs.get("device") is None and any(
+                self.owner.on_device(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+            self.owner.mark(out)
+        return out
+
+
+class DeviceOnlyGroup:
+    """Make the gloo world group take, like nccl, tensors on its device only: ``comm_device()`` says
+    FAKE_DEVICE, tensors made there or computed from such tensors are "device" tensors (tracked by storage),
+    and every tensor collective records each host tensor it is handed (then runs as usual).
+
+    It also logs the order of point-to-point calls (``p2p``), with batches as ``("batch", [...])``.
+    Empty tensors move no data and are not judged. Device storages are kept alive for the whole run, so a
+    freed address cannot pass a later host tensor off as a device one.
+    """
+
+    def __init__(self) -> None:
+        self.storages: dict[int, Any] = {}
+        self.violations: list[str] = []
+        self.callers: set[str] = set()
+        self.p2p: list[Any] = []
+        self._batch: list | None = None
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._local = threading.local()
+        self._modes = (_MarkNamed(self), _Spread(self))
+
+    # -- placement
+    def mark(self, out: Any) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel():
+                self.storages[t.untyped_storage().data_ptr()] = t.untyped_storage()
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.numel() > 0 and t.untyped_storage().data_ptr() in self.storages
+
+    # -- the collectives
+    def _wrap(self, name: str, original: Callable) -> Callable:
+        def collective(*args, **kwargs):
+            if getattr(self._local, "inside", False):  # torch re-enters through __torch_function__
+                return original(*args, **kwargs)
+            self._local.inside = True
+            try:
+                self._judge(name, args, kwargs)
+                return original(*args, **kwargs)
+            finally:
+                self._local.inside = False
+
+        return collective
+
+    def _judge(self, name: str, args: tuple, kwargs: dict) -> None:
+        where = _caller()
+        self.callers.add(where.split(":")[0])
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.numel() and not self.on_device(t):
+                self.violations.append(f"{name} got a host tensor {tuple(t.shape)} {t.dtype} at {where}")
+        if name in _P2P:
+            peer = kwargs.get("dst", kwargs.get("group_dst", kwargs.get("src", kwargs.get("group_src"))))
+            entry = (_P2P[name], args[1] if peer is None else peer)
+            (self._batch if self._batch is not None else self.p2p).append(entry)
+
+    def _batched(self, original: Callable) -> Callable:
+        def batch_isend_irecv(ops):
+            self._batch = []
+            try:
+                return original(ops)
+            finally:
+                self.p2p.append(("batch", self._batch))
+                self._batch = None
+
+        return batch_isend_irecv
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        self._undo.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def __enter__(self) -> DeviceOnlyGroup:
+        from src.collectives import runtime
+
+        swaps = {id(runtime.comm_device): lambda group=None: FAKE_DEVICE,
+                 id(dist.batch_isend_irecv): self._batched(dist.batch_isend_irecv)}
+        for name in _TENSOR_COLLECTIVES:
+            if hasattr(dist, name):
+                swaps[id(getattr(dist, name))] = self._wrap(name, getattr(dist, name))
+        # torch.distributed, c10d's isend/irecv (P2POp checks ``op`` against them), every alias in the package
+        for module in [dist, c10d, *(m for n, m in list(sys.modules.items()) if n.startswith("src.collectives"))]:
+            for attr, value in list(vars(module).items()):
+                if id(value) in swaps and (module is not c10d or attr in ("isend", "irecv")):
+                    self._patch(module, attr, swaps[id(value)])
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        for obj, name, value in reversed(self._undo):
+            setattr(obj, name, value)
+
+
+def _caller() -> str:
+    """``path:line`` of the innermost frame outside torch and this helper: the call site under test."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if frame.filename != __file__ and "/torch/" not in frame.filename:
+            path = Path(frame.filename)
+            return f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{frame.lineno}"
+    return "?"
+
+
+class _StubTrainer:
+    """The few Trainer attributes the callback reads."""
+
+    def __init__(self, rank: int, world_size: int, out_dir: str) -> None:
+        self.loggers, self.current_epoch, self.global_step = [], 0, 0
+        self.world_size, self.is_global_zero = world_size, rank == 0
+        self.log_dir = self.default_root_dir = out_dir
+
+
+DISCIPLINE_MODES = (
+    ("check", {}),
+    ("bench", {"bench": {"sizes": ["4KB"], "warmup": 1, "iters": 2}}),
+    ("ring", {"ring": {"numels": [0, 5, 1000], "dtypes": ["float32", "int64"], "bench_sizes": ["4KB"],
+                       "warmup": 1, "iters": 1}}),
+    ("sgd", {"sgd": {"steps": 2, "epochs": 1, "batch_size": 8}}),
+    ("blocking", {}), ("non_blocking", {}), ("all_reduce", {}),
+)
+
+
+def device_discipline(rank: int, world_size: int, out_dir: str) -> dict:
+    """Every collective call site on the device-only group: each mode of ``python -m src.collectives``,
+    both ring schedules, and the callback (checks and benchmark); then a host tensor as a control."""
+    from src.collectives import runtime
+    from src.collectives.callback import CollectivesCheck
+    from src.collectives.launch import LaunchPlan
+    from src.collectives.modes import run_mode, validate_options
+
+    with DeviceOnlyGroup() as fake:
+        for mode, conf in DISCIPLINE_MODES:
+            run_mode(LaunchPlan(mode, "gloo", world_size, "env://", 30.0, out_dir,
+                                options=validate_options(mode, conf)))
+        for pipelined in (True, False):
+            ring_all_reduce(torch.arange(1000.0, device=runtime.comm_device()), pipelined=pipelined,
+                            segment_bytes=256)
+        callback = CollectivesCheck(benchmark=True, bench_sizes=["4KB"], bench_warmup=1, bench_iters=1)
+        record = callback.run(_StubTrainer(rank, world_size, out_dir), "fit_start")
+        found = len(fake.violations)
+        dist.all_reduce(torch.zeros(2))  # control: a host tensor must be caught
+    return {"violations": fake.violations[:found], "control": fake.violations[found:],
+            "callers": sorted(fake.callers), "callback_bench_rows": len(record["benchmark"]["rows"])}
+
+
+def p2p_orders(rank: int, world_size: int) -> dict[str, list]:
+    """The order in which every point-to-point call site posts its sends and receives on this rank. The ring
+    runs the schedule it picks on a backend that coalesces p2p calls (nccl)."""
+    from src.collectives import demos, ring
+    from src.collectives.suite import run_suite
+
+    def ring_on_nccl(pipelined: bool) -> None:
+        real = ring._supports_coalescing
+        ring._supports_coalescing = lambda group, device: True
+        try:
+            x = torch.arange(1000.0) * (rank + 1)
+            ring_all_reduce(x, pipelined=pipelined, segment_bytes=256)
+            assert torch.equal(x, torch.arange(1000.0) * world_size * (world_size + 1) / 2)
+        finally:
+            ring._supports_coalescing = real
+
+    sites = {
+        "send_recv": lambda: run_suite(only=["send_recv"]).raise_if_failed(),
+        "isend_irecv": lambda: run_suite(only=["isend_irecv"]).raise_if_failed(),
+        "batch_isend_irecv": lambda: run_suite(only=["batch_isend_irecv"]).raise_if_failed(),
+        "ring_pipelined": lambda: ring_on_nccl(True),
+        "ring_stepwise": lambda: ring_on_nccl(False),
+        "demo_blocking": demos.blocking_send_recv,
+        "demo_non_blocking": demos.non_blocking_send_recv,
+    }
+    logs = {}
+    for name, site in sites.items():
+        with DeviceOnlyGroup() as fake:
+            site()
+        logs[name] = fake.p2p
+    return logs
+
+
+def nccl_p2p(rank: int, world_size: int, port: int) -> dict:
+    """On an nccl group: the point-to-point checks, and the ring's three schedules against dist.all_reduce."""
+    torch.cuda.set_device(rank)
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    report = run_suite(only=["send_recv", "isend_irecv", "batch_isend_irecv"], timeout_s=30)
+    ring = {}
+    for name, kwargs in (("pipelined", {"pipelined": True, "segment_bytes": 64 << 10}),
+                         ("stepwise", {"pipelined": False}), ("default", {})):
+        x = torch.arange(1 << 20, dtype=torch.float32, device=f"cuda:{rank}") * (rank + 1)
+        y = x.clone()
+        ring_all_reduce(x, **kwargs)
+        dist.all_reduce(y)
+        ring[name] = torch.equal(x, y)
+    return {"checks": [(r.op, r.status) for r in report.results], "ring": ring}
