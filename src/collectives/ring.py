@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 __all__ = ["RING_REDUCE_OPS", "chunk_bounds", "compare_with_all_reduce", "release_workspace", "ring_all_reduce"]
 
-DEFAULT_SEGMENT_BYTES = 2 << 20  # measured on gloo/loopback: 1-4 MB all within noise, 2 MB the most even
+DEFAULT_SEGMENT_BYTES = 2 << 20  # pipelining grain: small enough to overlap, large enough to amortise a call
 # Elementwise ops on fewer elements than ATen's parallel grain (32768) run on the calling thread. Reducing
 # in such pieces keeps the ring single-threaded like gloo's own reduction: with several ranks per machine,
 # intra-op thread pools of every rank fight for the cores and one 128K-element add_ can take milliseconds.
