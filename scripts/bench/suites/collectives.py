@@ -37,11 +37,18 @@ def run(bench: Bench) -> SuiteResult:
     if rows:
         largest = max(r["size_bytes"] for r in rows)
         result.columns = ["op", "size", "latency us", "busbw GB/s"]
-        result.rows = [[r["op"], _size(r["size_bytes"]), f"{r['latency_us']:,.1f}", f"{r['busbw_GBps']:.2f}"]
+        result.rows = [[_op(r), _size(r["size_bytes"]), f"{r['latency_us']:,.1f}", f"{r['busbw_GBps']:.2f}"]
                        for r in rows if r["size_bytes"] == largest]
     result.notes.append(f"{n} ranks; the largest message size shown; every size in {out_dir.name}/{files[0].name}.")
     result.plots += [f"{out_dir.name}/{png.name}" for png in sorted(out_dir.glob("*.png"))]
     return result
+
+
+def _op(row: dict) -> str:
+    """The op's name; the memcpy row says what it copied (on a GPU: inside one GPU, not over a link)."""
+    from src.collectives.report import memcpy_label
+
+    return memcpy_label(row.get("device", "cpu")) if row["op"] == "memcpy" else row["op"]
 
 
 def _size(n: int) -> str:
