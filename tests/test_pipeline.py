@@ -387,7 +387,8 @@ def _placement_worker(rank: int, world_size: int) -> dict:
     stage_params = {0: sum(p.numel() for b in (net.fc0, net.fc1) for p in b.parameters()),
                     1: sum(p.numel() for b in (net.fc2, net.head) for p in b.parameters())}
     strategy, probe = RecordingPipeline(n_microbatches=4), PlacementProbe()
-    trainer = _trainer(strategy, world_size, max_steps=2, limit_val_batches=1, callbacks=[probe])
+    trainer = _trainer(strategy, world_size, max_steps=2, limit_val_batches=1, val_check_interval=1,
+                       callbacks=[probe])
     model = CountingRegression(net)
     trainer.fit(model, datamodule=_toy_data())
     fit_move = strategy.blocks_at_move

@@ -99,7 +99,7 @@ def test_bad_interval_is_a_config_error(bad):
 def test_installed_on_multi_process_trainers_only():
     from lightning import Trainer
 
-    single = Trainer(logger=False, enable_checkpointing=False)
+    single = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
     assert install_sigterm_agreement(single, 10) is False
     assert "_broadcast_sigterm_tensor" not in vars(single.fit_loop.epoch_loop)
 

@@ -21,7 +21,6 @@ from lightning import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-# Bound before src.strategies is imported: the pipeline strategy imports StepOutput from here.
 from src.models.step_output import StepOutput
 from src.strategies import lightning_compat as compat
 from src.utils.seeding import rank_seed

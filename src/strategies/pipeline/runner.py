@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from src.models.step_module import StepOutput
+from src.models.step_output import StepOutput
 from src.strategies.pipeline.mesh import PipelineMesh
 from src.strategies.pipeline.schedule import build_schedule
 
