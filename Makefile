@@ -82,6 +82,77 @@ train-multinode: $(STAMP) ## One node of a multi-node DDP run: set NNODES, NODE_
 	MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT) NODE_RANK=$(NODE_RANK) \
 	$(PYTHON) src/train.py trainer=ddp trainer.num_nodes=$(NNODES) trainer.devices=$(if $(filter 0,$(GPUS)),1,$(GPUS)) $(ARGS)
 
+# --- Clusters: SkyPilot (EC2 and other clouds), hosts you already have, orphaned ranks ---------------------
+# SkyPilot runs scripts/cloud/ec2.yaml: NODES nodes of CLOUD_GPUS each, `make install` on every node, then
+# scripts/cloud/node_train.sh (torchrun with SkyPilot's node rank and head-node IP). Needs `make cloud-install`
+# (or SkyPilot on PATH) and AWS credentials (`aws configure`; `sky check aws` shows what SkyPilot can use).
+CLUSTER ?= lhd
+CLOUD_TASK ?= scripts/cloud/ec2.yaml
+NODES ?= 1
+CLOUD_GPUS ?= A10G:4
+SPOT ?= 0
+AUTOSTOP ?= 30
+SKY ?= $(firstword $(wildcard .venv-cloud/bin/sky) sky)
+SKY_LAUNCH = $(SKY) launch -c $(CLUSTER) $(CLOUD_TASK) --num-nodes $(NODES) --gpus $(CLOUD_GPUS) \
+	$(if $(filter 1,$(SPOT)),--use-spot,--no-use-spot) -i $(AUTOSTOP) -y
+# Your own hosts, reached over ssh: HOSTS="ip1 ip2" (node 0 first). SSH is the command that runs a command
+# line on a host (`$(SSH) [-i SSH_KEY] SSH_OPTS [SSH_USER@]host 'command'`).
+HOSTS ?=
+SSH ?= ssh
+SSH_USER ?=
+SSH_KEY ?=
+SSH_OPTS ?= -o BatchMode=yes
+REMOTE_DIR ?= $(notdir $(CURDIR))
+REMOTE_SETUP ?= make install
+NPROC_PER_NODE ?=
+PID_DIR ?= logs/.pids
+.PHONY: cloud-install cloud-up cloud-train cloud-sweep cloud-logs cloud-ssh cloud-down sync launch-hosts kill-orphans
+
+cloud-install: $(STAMP) ## SkyPilot with AWS support (the `cloud` extra) in its own environment, .venv-cloud
+	$(PYTHON) -m venv --system-site-packages .venv-cloud
+	.venv-cloud/bin/pip install --quiet -e ".[cloud]"
+	@echo "SkyPilot: .venv-cloud/bin/sky (used by make cloud-*). Next: aws configure; .venv-cloud/bin/sky check aws"
+
+cloud-up: ## Start or reuse CLUSTER: NODES x CLOUD_GPUS (default 1 x A10G:4), SPOT=1 for spot; stops after AUTOSTOP idle min
+	$(SKY_LAUNCH) --env MODE=setup
+
+cloud-train: ## Train on CLUSTER (started if needed), torchrun on every node: ARGS="trainer.max_epochs=20"
+	$(SKY_LAUNCH) --fast --env MODE=train --env TRAIN_ARGS="$(ARGS)"
+
+cloud-sweep: ## A Hydra multirun on CLUSTER's head node, all its GPUs per job: ARGS="hparams_search=fashion_mnist_optuna"
+	$(SKY_LAUNCH) --fast --env MODE=sweep --env TRAIN_ARGS="$(ARGS)"
+
+cloud-logs: ## Follow the logs of CLUSTER's latest job
+	$(SKY) logs $(CLUSTER)
+
+cloud-ssh: ## A shell on CLUSTER's head node (SkyPilot adds the cluster to ~/.ssh/config)
+	ssh $(CLUSTER)
+
+cloud-down: ## Tear CLUSTER down: its instances and disks stop costing money
+	$(SKY) down -y $(CLUSTER)
+
+sync: ## rsync this repo to REMOTE_DIR on every host of HOSTS (files in .gitignore, e.g. logs/ and data/, stay put)
+	@test -n "$(HOSTS)" || { echo 'error: no hosts; set HOSTS="ip1 ip2"' >&2; exit 2; }
+	for host in $(HOSTS); do \
+	  rsync -az --delete --exclude=.git --filter=':- .gitignore' -e "$(SSH) $(if $(SSH_KEY),-i $(SSH_KEY)) $(SSH_OPTS)" \
+	    ./ "$(if $(SSH_USER),$(SSH_USER)@)$$host:$(REMOTE_DIR)/" || exit 1; \
+	done
+
+launch-hosts: ## One torchrun per host over ssh, node rank = position in HOSTS: HOSTS="ip1 ip2" ARGS="..." [NPROC_PER_NODE=4]
+	HOSTS="$(HOSTS)" SSH="$(SSH)" SSH_USER="$(SSH_USER)" SSH_KEY="$(SSH_KEY)" SSH_OPTS="$(SSH_OPTS)" \
+	REMOTE_DIR="$(REMOTE_DIR)" REMOTE_SETUP="$(REMOTE_SETUP)" NPROC_PER_NODE="$(NPROC_PER_NODE)" \
+	MASTER_PORT="$(MASTER_PORT)" PYTHON="$(PYTHON)" bash scripts/cloud/launch_hosts.sh $(ARGS)
+
+kill-orphans: ## End this project's ranks whose launcher is gone, by PID (from PID_DIR), here or on every host of HOSTS
+ifeq ($(strip $(HOSTS)),)
+	$(PYTHON) scripts/cloud/kill_orphans.py --pid-dir "$(PID_DIR)"
+else
+	for host in $(HOSTS); do \
+	  $(SSH) $(if $(SSH_KEY),-i $(SSH_KEY)) $(SSH_OPTS) "$(if $(SSH_USER),$(SSH_USER)@)$$host" \
+	    "cd $(REMOTE_DIR) && $(PYTHON) scripts/cloud/kill_orphans.py --pid-dir $(PID_DIR)"; \
+	done
+endif
+
 clean-logs: ## Remove logs/: every run's checkpoints, metrics, configs and MLflow store
 	rm -rf logs/
 

@@ -148,5 +148,5 @@ def registered_ranks(pid_dir: Path) -> list[tuple[dict, psutil.Process, bool]]:
             continue
         launcher = record["launcher"]
         orphaned = launcher is not None and running(launcher["pid"], launcher["started"]) is None
-        ranks.append((record, proc, orphaned))
+        ranks.append(({**record, "file": str(path)}, proc, orphaned))
     return ranks
