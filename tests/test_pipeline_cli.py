@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.entry import run_entry
+from tests.helpers.run_if import gpu_test
 
 COMMON = ["model.net.dropout=0", "trainer.max_epochs=1", "extras.print_config=false", "logger=csv",
           "callbacks.model_summary.max_depth=1"]
@@ -95,3 +96,40 @@ def test_pipeline_with_spawned_ranks(tmp_path):
     with open(tmp_path / "csv" / "version_1" / "metrics.csv") as file:
         test_acc = [float(row["test/acc"]) for row in csv.DictReader(file) if row.get("test/acc")]
     assert len(test_acc) == 1 and 0.0 < test_acc[0] <= 1.0
+
+
+@pytest.mark.slow
+def test_bf16_true_pipeline_with_time_balance_on_cpu(tmp_path):
+    """bf16-true: blocks and inputs share one dtype, in the timing pass of balance=time and in every step."""
+    _ok(run_entry("train", "trainer=pipeline", "trainer.devices=1", "trainer.accelerator=cpu",
+                  "trainer.precision=bf16-true", "trainer.strategy.balance=time", *GPU_COMMON,
+                  f"hydra.run.dir={tmp_path}", timeout=600))
+    assert 0.0 < _test_metrics(tmp_path)["test/acc"] <= 1.0
+
+
+# -- on GPUs: the split happens on the host, then each rank's blocks move to its own GPU -----------------
+GPU_COMMON = ["trainer.max_epochs=1", "++trainer.limit_train_batches=8", "++trainer.limit_val_batches=2",
+              "++trainer.limit_test_batches=2", "extras.print_config=false", "logger=csv"]
+
+
+@gpu_test(1)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_one_stage_pipeline_on_a_gpu(tmp_path, precision):
+    """A 1-stage pipeline (nccl, one rank) trains and tests in bf16; bf16-true with balance=time times each block
+    on the GPU with an input converted like the blocks (a dtype mismatch failed here before)."""
+    _ok(run_entry("train", "trainer=pipeline", "trainer.devices=1", "trainer.accelerator=gpu",
+                  f"trainer.precision={precision}", "trainer.strategy.balance=time", *GPU_COMMON,
+                  f"hydra.run.dir={tmp_path}", timeout=600))
+    metrics = _test_metrics(tmp_path)
+    assert 0.0 < metrics["test/acc"] <= 1.0 and metrics["test/loss"] == metrics["test/loss"]  # finite, learnt
+
+
+@gpu_test(2)
+def test_two_stage_pipeline_over_nccl(tmp_path):
+    """2 stages on 2 GPUs exchange activations and gradients over nccl, and the checkpoint evaluates on one GPU."""
+    _ok(run_entry("train", "trainer=pipeline", "trainer.devices=2", "trainer.accelerator=gpu", *GPU_COMMON,
+                  f"hydra.run.dir={tmp_path}", timeout=600))
+    assert 0.0 < _test_metrics(tmp_path)["test/acc"] <= 1.0
+    ckpt = next((tmp_path / "checkpoints").glob("*.ckpt"))
+    _ok(run_entry("eval", f"ckpt_path={ckpt}", "trainer.accelerator=gpu", "logger=csv",
+                  f"hydra.run.dir={tmp_path}/eval", timeout=600))

@@ -110,7 +110,10 @@ class InMemoryDataModule(LightningDataModule):
     def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
         inputs, targets = batch
         training = self.trainer is not None and self.trainer.training
-        return self.transform_batch(inputs, training=training), targets
+        inputs = self.transform_batch(inputs, training=training)
+        if self.trainer is not None:  # Lightning converts the stored batch, but the transform makes new floats:
+            inputs = self.trainer.precision_plugin.convert_input(inputs)  # bf16-true/16-true models need them cast
+        return inputs, targets
 
     def state_dict(self) -> dict[str, Any]:
         return {"batch_size": self.hparams.batch_size, "seed": self.hparams.seed}
