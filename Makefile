@@ -134,7 +134,7 @@ cloud-down: ## Tear CLUSTER down: its instances and disks stop costing money
 sync: ## rsync this repo to REMOTE_DIR on every host of HOSTS (files in .gitignore, e.g. logs/ and data/, stay put)
 	@test -n "$(HOSTS)" || { echo 'error: no hosts; set HOSTS="ip1 ip2"' >&2; exit 2; }
 	for host in $(HOSTS); do \
-	  rsync -az --delete --exclude=.git --filter=':- .gitignore' -e "$(SSH) $(if $(SSH_KEY),-i $(SSH_KEY)) $(SSH_OPTS)" \
+	  rsync -az --delete-after --exclude=.git --filter=':- .gitignore' -e "$(SSH) $(if $(SSH_KEY),-i $(SSH_KEY)) $(SSH_OPTS)" \
 	    ./ "$(if $(SSH_USER),$(SSH_USER)@)$$host:$(REMOTE_DIR)/" || exit 1; \
 	done
 

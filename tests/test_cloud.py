@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,6 +121,21 @@ def test_launch_hosts_two_hosts_over_loopback(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "[node 0] node 0/2" in proc.stdout and "[node 1] node 1/2" in proc.stdout
     assert_identical_params(tmp_path / "params")
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="rsync is not installed (apt-get install rsync)")
+def test_sync_copies_the_repo_but_not_ignored_files(tmp_path):
+    """`make sync HOSTS=127.0.0.1`: rsync over the (stand-in) ssh puts the tracked tree in REMOTE_DIR, not logs/."""
+    remote = tmp_path / "remote"
+    (remote / "logs").mkdir(parents=True)
+    (remote / "logs" / "keep.txt").write_text("a run on the host")  # ignored files on the host stay put
+    proc = subprocess.run(["make", "--no-print-directory", "sync", "HOSTS=127.0.0.1", f"SSH={fake_ssh(tmp_path / 'bin')}",
+                           "SSH_OPTS=", f"REMOTE_DIR={remote}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (remote / "src" / "train.py").read_bytes() == (ROOT / "src" / "train.py").read_bytes()
+    assert (remote / "scripts" / "cloud" / "node_train.sh").is_file() and not (remote / ".git").exists()
+    assert (remote / "logs" / "keep.txt").read_text() == "a run on the host"
+    assert not (remote / ".venv-cloud").exists() and not (remote / "data").exists()
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
