@@ -66,7 +66,7 @@ bench: $(STAMP) ## Benchmarks, quick (a few min): project vs plain PyTorch -> be
 bench-full: $(STAMP) ## Benchmarks, full settings: whole epochs, 3 rounds, 10-epoch accuracy (about 15-20 min)
 	$(PYTHON) -m scripts.bench --full $(ARGS)
 
-synthetic-cifar10: $(STAMP) ## Write SYNTHETIC CIFAR-10 files (real format) to data/synthetic_cifar10
+synthetic-cifar10: $(STAMP) ## Write SYNTHETIC CIFAR-10 files (real format and size: 50,000 + 10,000) to data/synthetic_cifar10
 	$(PYTHON) scripts/make_synthetic_cifar10.py --out data/synthetic_cifar10
 
 # --- GPU machines (e.g. an EC2 g5.12xlarge / p3.8xlarge with the NVIDIA driver installed) ---

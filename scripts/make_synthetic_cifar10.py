@@ -2,9 +2,12 @@
 
 CIFAR-10 cannot be downloaded on an offline machine; these files let the real loading
 code run end to end. Images are class-coloured noise so a model can fit them, but any
-accuracy on them is meaningless: never report it as CIFAR-10 accuracy.
+accuracy on them is meaningless: never report it as CIFAR-10 accuracy. By default the files hold
+CIFAR-10's own counts (5 x 10,000 training images, 10,000 test), so every config that fits the real
+set (`data.val_size=5000`) fits these too.
 
-    python scripts/make_synthetic_cifar10.py --out data/synthetic_cifar10 --per-batch 200 --test 200
+    python scripts/make_synthetic_cifar10.py --out data/synthetic_cifar10     # `make synthetic-cifar10`
+    python scripts/make_synthetic_cifar10.py --out /tmp/cifar --per-batch 200 --test 200   # small, for tests
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ def _dump(path: Path, obj: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("data/synthetic_cifar10"))
-    parser.add_argument("--per-batch", type=int, default=200, help="images in each of the 5 training batches")
-    parser.add_argument("--test", type=int, default=200, help="images in the test batch")
+    parser.add_argument("--per-batch", type=int, default=10_000, help="images in each of the 5 training batches")
+    parser.add_argument("--test", type=int, default=10_000, help="images in the test batch")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(f"wrote SYNTHETIC CIFAR-10 to {write(args.out, args.per_batch, args.test, args.seed)}")

@@ -1,0 +1,128 @@
+"""Every command in the README's code blocks runs as written, with a few batches (issue 13).
+
+The commands are read from README.md, so a command added there is tested here. Each runs in a fresh
+shell from the repository root, with overrides appended that only make it short and keep its output in
+a temporary directory. Only what this machine cannot do is skipped, each with its reason (SKIP), and
+the targets that would run this suite itself or benchmark for minutes are dry-run (DRY_RUN).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.config import ROOT
+
+pytestmark = pytest.mark.slow
+
+README = ROOT / "README.md"
+COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python src/(?:train|eval)\.py|torchrun .*src/train\.py|srun python src/train\.py|make)\b")
+
+# Substring -> why this machine cannot run it. Keep this small: everything else must run.
+SKIP = {
+    "srun ": "needs a SLURM cluster; tests/test_ddp.py::test_slurm_environment_detected simulates one",
+    "num_nodes=2": "needs a second machine (two nodes); tests/test_ddp.py simulates two nodes over loopback",
+}
+# Whole command -> why it is only dry-run (`make -n`: the target exists and expands).
+DRY_RUN = {
+    "make test": "runs this whole suite, this test included",
+    "make bench": "benchmarks run for minutes by design; tests/test_bench.py runs their entry point briefly",
+    "make bench-full": "benchmarks run for minutes by design (15-20 min)",
+}
+# Appended to every training/eval command: one epoch (two when resuming) of a few batches, nothing else changed.
+FEW_BATCHES = ["++trainer.limit_train_batches=1", "++trainer.limit_val_batches=1", "++trainer.limit_test_batches=1",
+               "++trainer.num_sanity_val_steps=0"]
+SYNTHETIC_CIFAR10 = "data/synthetic_cifar10"  # where the README's `make synthetic-cifar10` writes
+
+
+def readme_commands() -> list[str]:
+    """The runnable lines of the README's bash code blocks, continuation lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"^```(?:bash|sh)?\n(.*?)^```", README.read_text(), re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
+            if COMMAND.match(line):
+                commands.append(line)
+    return list(dict.fromkeys(commands))  # `make test` appears twice
+
+
+def _skip_reason(command: str) -> str | None:
+    return next((reason for key, reason in SKIP.items() if key in command), None)
+
+
+def _shell(command: str, timeout: int = 420) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "WANDB_SILENT": "true"})
+
+
+def _make(command: str, args: list[str]) -> str:
+    """``make X`` as written, minus the install step (done once by `make test`), with ARGS for the run."""
+    target = command.removeprefix("make ")
+    return f"make -o .make/installed {target}" + (f" ARGS={shlex.quote(' '.join(args))}" if args else "")
+
+
+@pytest.fixture(scope="module")
+def made_synthetic_cifar10() -> subprocess.CompletedProcess:
+    """The README's `make synthetic-cifar10`, run once: the CIFAR-10 commands read its files (offline)."""
+    return _shell(_make("make synthetic-cifar10", []))
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A run directory of the default model, for the README's `logs/train/runs/<run>` placeholder."""
+    logs = tmp_path_factory.mktemp("run")
+    proc = _shell(" ".join(["python src/train.py trainer.max_epochs=1", *FEW_BATCHES, f"paths.log_dir={logs}"]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = (logs / "train" / "runs").iterdir()
+    return run
+
+
+def _run_overrides(command: str, logs: Path, request) -> list[str]:
+    """A few batches, output under ``logs``, and offline stand-ins for data that would be downloaded."""
+    args = [*FEW_BATCHES, f"paths.log_dir={logs}"]
+    if "src/eval.py" not in command:  # the last value wins: a resumed run trains one epoch more
+        args.insert(0, f"trainer.max_epochs={2 if 'ckpt_path=' in command else 1}")
+    if re.search(r"\b(data|experiment)=cifar10", command) and "data.data_dir=" not in command:
+        args += [f"data.data_dir={SYNTHETIC_CIFAR10}", "data.verify_checksums=false"]  # no download here
+    if "data=mnist" in command:
+        args.append(f"data.data_dir={request.getfixturevalue('mnist_format_dir')}")  # Fashion-MNIST, MNIST's format
+    return args
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_readme_command_runs(command, tmp_path, request):
+    if reason := _skip_reason(command):
+        pytest.skip(reason)
+    if command in DRY_RUN:
+        proc = _shell(f"make -n -o .make/installed {command.removeprefix('make ')}")
+        assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+        return
+    if command == "make synthetic-cifar10":
+        proc = request.getfixturevalue("made_synthetic_cifar10")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "wrote SYNTHETIC CIFAR-10" in proc.stdout
+        return
+    if "cifar10" in command:
+        assert request.getfixturevalue("made_synthetic_cifar10").returncode == 0
+    if "<run>" in command:
+        command = command.replace("logs/train/runs/<run>", str(request.getfixturevalue("trained_run")))
+    args = _run_overrides(command, tmp_path / "logs", request)
+    proc = _shell(_make(command, args) if command.startswith("make ") else f"{command} {' '.join(args)}")
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert not re.search(r"^error:", proc.stderr, re.M), proc.stderr[-3000:]
+
+
+def test_readme_commands_are_found():
+    commands = readme_commands()
+    assert "make train" in commands and "make synthetic-cifar10" in commands
+    assert any(c.startswith("python src/eval.py") for c in commands)
+    assert any(c.startswith("torchrun --standalone") for c in commands)
+    for key in SKIP:
+        assert any(key in c for c in commands), f"SKIP entry {key!r} matches no README command any more"
+    for command in DRY_RUN:
+        assert command in commands, f"DRY_RUN entry {command!r} is no longer in the README"
