@@ -330,7 +330,7 @@ def _run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_entry_point_check_mode(tmp_path):
-    proc = _run_cli("mode=check", "nproc=2", f"hydra.run.dir={tmp_path}")
+    proc = _run_cli("mode=check", "nproc=2", "backend=gloo", f"hydra.run.dir={tmp_path}")  # CPU, any machine
     assert proc.returncode == 0, proc.stderr[-2000:]
     saved = json.loads((tmp_path / "collectives_check.json").read_text())
     assert saved["counts"]["failed"] == 0 and saved["world_size"] == 2
@@ -354,3 +354,19 @@ def test_suite_on_nccl():
     for per_rank in run_workers(workers.nccl_suite, 2, find_free_port()):
         assert ("ring", "True", "") in per_rank
         assert all(status != FAILED for _, status, _ in per_rank), per_rank
+
+
+@pytest.mark.fast
+def test_auto_backend_needs_a_gpu_per_spawned_rank(monkeypatch):
+    """On a 1-GPU machine, `nproc=2` with backend=auto is gloo: two nccl ranks on one GPU are invalid (seen on an H100)."""
+    from src.collectives.launch import resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert resolve_backend("auto", 1, spawning=True) == "nccl"
+    assert resolve_backend("auto", 2, spawning=True) == "gloo"
+    assert resolve_backend("auto", 2, spawning=False) == "nccl"  # torchrun/SLURM placed the ranks
+    with pytest.raises(ConfigError, match="nproc=2 needs 2 GPUs"):
+        resolve_backend("nccl", 2, spawning=True)
+

@@ -72,13 +72,14 @@ def detect_external() -> ExternalRanks | None:
 
 
 def resolve_backend(requested: str, world_size: int, spawning: bool) -> str:
-    """``auto`` -> nccl with CUDA, else gloo; refuse a backend this machine or launch cannot run."""
+    """``auto`` -> nccl with a GPU per rank, else gloo; refuse a backend this machine or launch cannot run."""
     requested = str(requested).lower()
     if requested not in BACKENDS:
         raise ConfigError(f"backend={requested} is unknown; use one of {', '.join(BACKENDS)}")
     cuda = torch.cuda.is_available()
     if requested == "auto":
-        return "nccl" if cuda and dist.is_nccl_available() else "gloo"
+        enough = not spawning or world_size <= torch.cuda.device_count()  # nccl: one GPU per rank
+        return "nccl" if cuda and dist.is_nccl_available() and enough else "gloo"
     if requested == "nccl":
         if not cuda:
             raise ConfigError("backend=nccl needs a CUDA GPU and none is visible; use backend=gloo (or auto)")

@@ -37,5 +37,6 @@ def child_command(local_rank: int) -> tuple[list[str], str]:
         f'hydra.run.dir="{hc.runtime.output_dir}"',
         f"hydra.job.name={hc.job.name}",  # same name -> same log file, each line tagged with its rank
         "hydra.output_subdir=null",  # only the parent writes .hydra/
+        "hydra.mode=RUN",  # a search config may switch to multirun itself: a rank joins one job, never a sweep
     ]
     return command, get_original_cwd()
