@@ -14,8 +14,6 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from src.strategies.ports import find_free_port
-
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
     import torch.distributed as dist
@@ -40,6 +38,8 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 180)
     ``fn`` must be importable (module level) because workers are spawned. A worker's
     exception is re-raised here with its traceback.
     """
+    from src.strategies.ports import find_free_port  # here, not at the top: spawned ranks skip importing Lightning
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = find_free_port()
