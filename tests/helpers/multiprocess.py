@@ -38,7 +38,8 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 180)
     ``fn`` must be importable (module level) because workers are spawned. A worker's
     exception is re-raised here with its traceback.
     """
-    from src.strategies.ports import find_free_port  # here, not at the top: spawned ranks skip importing Lightning
+    # imported here, not at the top: spawned ranks then skip importing Lightning
+    from src.strategies.ports import find_free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
