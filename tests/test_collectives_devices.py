@@ -183,20 +183,11 @@ def _assert_mode_ran_on_nccl(mode: str, nproc: int, out: Path, proc: subprocess.
 @pytest.mark.gpu
 @pytest.mark.slow
 @requires_nccl
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=requires_2_gpus)])
 @pytest.mark.parametrize(("mode", "args"), GPU_MODES, ids=[m for m, _ in GPU_MODES])
-def test_modes_on_one_nccl_rank(mode, args, tmp_path):
-    proc = _run_cli(f"mode={mode}", "nproc=1", "backend=nccl", f"hydra.run.dir={tmp_path}", *args)
-    _assert_mode_ran_on_nccl(mode, 1, tmp_path, proc)
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@requires_nccl
-@requires_2_gpus
-@pytest.mark.parametrize(("mode", "args"), GPU_MODES, ids=[m for m, _ in GPU_MODES])
-def test_modes_on_two_nccl_ranks(mode, args, tmp_path):
-    proc = _run_cli(f"mode={mode}", "nproc=2", "backend=nccl", f"hydra.run.dir={tmp_path}", *args)
-    _assert_mode_ran_on_nccl(mode, 2, tmp_path, proc)
+def test_modes_on_nccl_ranks(mode, args, nproc, tmp_path):
+    proc = _run_cli(f"mode={mode}", f"nproc={nproc}", "backend=nccl", f"hydra.run.dir={tmp_path}", *args)
+    _assert_mode_ran_on_nccl(mode, nproc, tmp_path, proc)
 
 
 @pytest.mark.gpu
