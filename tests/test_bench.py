@@ -89,3 +89,126 @@ def test_bench_rejects_bad_options():
     proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--suite", "throughput,nope"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown suite(s) nope" in proc.stderr
+
+
+# -- --accelerator / --precision ------------------------------------------------------------------
+def _captured_commands(monkeypatch, tmp_path, argv: list[str]) -> dict[str, list[str]]:
+    """Run the throughput, start-up and accuracy suites (those chosen) with ``argv``, capturing each command.
+
+    Nothing is launched: every run is recorded and reported as failed, and the in-process timings and
+    charts are stubbed out.
+    """
+    from scripts.bench import measure
+    from scripts.bench.__main__ import parse
+    from scripts.bench.context import Bench
+    from scripts.bench.suites import accuracy, startup, throughput
+
+    args, settings = parse(argv)
+    commands: dict[str, list[str]] = {}
+
+    class CapturingBench(Bench):
+        def run(self, name, make_cmd, world_size=1, threads=None):
+            commands[name] = [str(c) for c in make_cmd(self.out / "timelines" / name, self.out / "runs" / name)]
+            return measure.Run(name, commands[name], 0.0, 1.0, 1, self.out / "logs" / f"{name}.log")
+
+    monkeypatch.setattr(throughput, "project_batch_ms", lambda *args: 1.0)
+    monkeypatch.setattr(throughput, "per_sample_batch_ms", lambda *args: 1.0)
+    monkeypatch.setattr(throughput, "bar_chart", lambda *args, **kwargs: None)
+    monkeypatch.setattr(startup, "import_seconds", lambda *args: 1.0)
+    monkeypatch.setattr(startup, "grouped_bars", lambda *args, **kwargs: None)
+    bench = CapturingBench(tmp_path, settings)
+    chosen = [suite for suite in (throughput, startup, accuracy) if suite.__name__.rsplit(".", 1)[1] in args.suite]
+    titles = [suite.run(bench).title for suite in chosen]
+    assert all(settings.accelerator in t and settings.precision in t for t in titles), titles
+    return commands
+
+
+def _option(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("accelerator,precision", [("gpu", "bf16-mixed"), ("gpu", "32-true"), ("cpu", "bf16-mixed")])
+def test_accelerator_and_precision_reach_every_contender(monkeypatch, tmp_path, make_cfg, accelerator, precision):
+    argv = ["--rounds", "1", "--batch-size", "512", "--workers", "0,2", "--accelerator", accelerator,
+            "--precision", precision]
+    commands = _captured_commands(monkeypatch, tmp_path, argv)
+    expected = {"throughput-project-r0", "throughput-plain-loop-r0", "throughput-bare-Lightning-r0",
+                "throughput-per-sample-0-workers-r0", "throughput-per-sample-2-workers-r0", "paired-bare-r0",
+                "paired-project-r0", "startup-project-r0", "startup-plain-loop-r0", "accuracy-project-0",
+                "accuracy-project-1", "accuracy-plain-2"}
+    assert set(commands) == expected
+    assert set(_captured_commands(monkeypatch, tmp_path / "unpaired", [*argv, "--no-paired", "--suite", "throughput"])
+               ) == {name for name in expected if name.startswith("throughput")}
+    for name, cmd in commands.items():
+        if "src/train.py" in cmd:  # the project: explicit Hydra overrides (not the config's `auto`)
+            assert f"trainer.accelerator={accelerator}" in cmd and f"trainer.precision={precision}" in cmd, name
+            cfg = make_cfg("train", cmd[2:], subdir=name, tiny=False)  # the overrides compose as given
+            assert (cfg.trainer.accelerator, cfg.trainer.precision) == (accelerator, precision), name
+            if name.startswith(("throughput", "paired")):
+                assert cfg.data.batch_size == 512, name
+        else:  # plain loop, per-sample pipeline, bare Lightning
+            assert cmd[1:3] in (["-m", "scripts.bench.plain_loop"], ["-m", "scripts.bench.bare_lightning"]), name
+            assert (_option(cmd, "--accelerator"), _option(cmd, "--precision")) == (accelerator, precision), name
+
+
+@pytest.mark.fast
+def test_cpu_and_32_true_are_the_defaults_and_given_explicitly(monkeypatch, tmp_path):
+    from scripts.bench import contenders
+    from scripts.bench.__main__ import parse
+
+    _, settings = parse([])
+    assert (settings.accelerator, settings.precision) == ("cpu", "32-true")
+    cmd = contenders.project(contenders.Work(epochs=2), tmp_path / "t", tmp_path / "r")
+    assert "trainer.accelerator=cpu" in cmd and "trainer.precision=32-true" in cmd  # not the config's `auto`
+    assert contenders.plain(contenders.Work(epochs=2), tmp_path / "t")[-4:] == [
+        "--accelerator", "cpu", "--precision", "32-true"]
+    with pytest.raises(ValueError, match="CPU in 32-true only"):  # plain DDP is gloo, CPU only
+        contenders.plain_ddp(contenders.Work(epochs=2, accelerator="gpu"), tmp_path / "t", 2)
+    for bad in (["--accelerator", "tpu"], ["--precision", "16-mixed"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse(bad)
+        assert exit_info.value.code == 2
+
+
+@pytest.mark.fast
+def test_gpu_without_cuda_exits_2_with_one_line(tmp_path):
+    out = tmp_path / "bench"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no CUDA device, even on a GPU machine
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--suite", "throughput", "--accelerator", "gpu",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --accelerator gpu needs CUDA"), proc.stderr
+    assert "--accelerator cpu" in lines[0] and not proc.stdout and not out.exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("module", ["scripts.bench.plain_loop", "scripts.bench.bare_lightning"])
+def test_contenders_refuse_gpu_without_cuda(monkeypatch, capsys, module):
+    import importlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:  # before any data is read
+        importlib.import_module(module).main(["--accelerator", "gpu", "--data-dir", "/nonexistent"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --accelerator gpu needs CUDA")
+
+
+@pytest.mark.fast
+def test_timeline_waits_for_the_gpu_only_at_span_ends(monkeypatch, tmp_path):
+    from scripts.bench.timeline import Timeline
+
+    for cuda in (False, True):
+        timeline = Timeline(tmp_path / "t.json", cuda=cuda)
+        timeline._written = True  # no file at exit
+        synced = []  # (epoch, steps stamped so far in it) at each synchronize
+        monkeypatch.setattr(torch.cuda, "synchronize",
+                            lambda *args, t=timeline, out=synced: out.append(
+                                (len(t.epochs), len(t.epochs[-1]["steps"]) if t.epochs else None)))
+        for _epoch in range(2):
+            timeline.epoch_start()
+            for step in range(3):
+                timeline.step_end(8, last=step == 2)
+        # each epoch's start, the run's first step (time to first step) and each epoch's last step
+        assert synced == ([(0, None), (1, 0), (1, 2), (1, 3), (2, 2)] if cuda else []), synced

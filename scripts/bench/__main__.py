@@ -3,11 +3,17 @@
     python -m scripts.bench                                   # quick settings, every suite
     python -m scripts.bench --suite throughput,ddp --rounds 3
     python -m scripts.bench --full                            # whole epochs, 10-epoch accuracy, 3 rounds
+    python -m scripts.bench --suite throughput --accelerator gpu --precision bf16-mixed   # on a CUDA GPU
+
+``--accelerator``/``--precision`` go to every contender of the throughput, start-up and accuracy
+suites (the project as ``trainer.accelerator=...``/``trainer.precision=...``); the DDP suite stays on
+CPU ranks (gloo), the pipeline and collectives suites run their own settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -17,7 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 from scripts.bench import report, suites
-from scripts.bench.contenders import ROOT
+from scripts.bench.contenders import ACCELERATORS, PRECISIONS, ROOT
 from scripts.bench.context import Bench, Settings, SuiteResult, cpu_count
 
 QUICK = dict(rounds=2, epochs=3, limit_train_batches=150, accuracy_epochs=3)
@@ -33,10 +39,16 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--limit-train-batches", type=int, help="steps per epoch of throughput/DDP runs (0 = all)")
     parser.add_argument("--accuracy-epochs", type=int)
     parser.add_argument("--threads", type=int, default=cpu_count(), help="torch threads per single process")
-    parser.add_argument("--workers", default="0,2", help="DataLoader workers tried for the per-sample pipeline")
+    parser.add_argument("--workers", default="0,2", help="DataLoader workers tried for the per-sample pipeline ('': skip it)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="global batch of the throughput and DDP runs (default: the config's, 128)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the DDP and collectives comparisons")
+    parser.add_argument("--accelerator", choices=ACCELERATORS, default="cpu",
+                        help="where the throughput, start-up and accuracy contenders train (gpu: CUDA device 0)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
+                        help="their precision (bf16-mixed: forward and loss under bf16 autocast)")
+    parser.add_argument("--no-paired", action="store_true",
+                        help="skip the throughput suite's paired-step runs (2 of its 5 runs per round)")
     parser.add_argument("--no-tty", action="store_true", help="pipe the contenders' output instead of a terminal")
     parser.add_argument("--quiet-wait", type=float, default=20.0,
                         help="before each run wait up to this many seconds for other processes to go idle (0: never)")
@@ -58,31 +70,51 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     workers = tuple(int(w) for w in args.workers.split(",") if w.strip())
     args.suite = chosen
     return args, Settings(**pick, threads=args.threads, workers=workers, nproc=args.nproc, tty=not args.no_tty,
-                          full=args.full, quiet_wait=args.quiet_wait, batch_size=args.batch_size)
+                          full=args.full, quiet_wait=args.quiet_wait, batch_size=args.batch_size,
+                          accelerator=args.accelerator, precision=args.precision, paired=not args.no_paired)
 
 
-def header(argv: list[str]) -> dict:
+def header(argv: list[str], settings: Settings) -> dict:
     import lightning
     import torch
 
+    host = f"{platform.machine()}, {cpu_count()} cores, {_cpu_model()}, {_mem_gib():.0f} GiB"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {
         "date": datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.machine()}, {cpu_count()} cores, {_cpu_model()}, {_mem_gib():.0f} GiB, no GPU"
-        if not torch.cuda.is_available() else f"{platform.machine()}, {cpu_count()} cores, CUDA",
+        "machine": f"{host}, no GPU" if not gpus else f"{host}, {gpus} x {torch.cuda.get_device_name(0)}",
         "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
+        "cuda": torch.version.cuda if gpus else None,
+        "accelerator": settings.accelerator, "precision": settings.precision, "device": settings.device,
         "command": "python -m scripts.bench " + " ".join(argv), "load_before": _load(),
     }
+
+
+def device_name(accelerator: str) -> str:
+    """The name of the device the contenders train on: the GPU's, or the CPU model."""
+    if accelerator == "gpu":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return _cpu_model()
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, settings = parse(argv)
+    from scripts.bench.plain_loop import require_device
+
+    reason = require_device(args.accelerator, args.precision)
+    if reason:  # before anything is written or run
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    settings = dataclasses.replace(settings, device=device_name(args.accelerator))
     out = Path(args.out) if args.out else ROOT / "bench_results" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True, exist_ok=True)
     from scripts.bench.data_pipeline import ensure_data
 
     ensure_data()
-    info = header(argv)
+    info = header(argv, settings)
     print(f"bench: {', '.join(args.suite)} -> {out}\n  settings: {settings}", flush=True)
     bench = Bench(out, settings)
     results: list[SuiteResult] = []

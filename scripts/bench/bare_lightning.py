@@ -1,12 +1,17 @@
 """The plain loop's work inside a minimal LightningModule: the cost of Lightning's own training loop.
 
     python -m scripts.bench.bare_lightning --epochs 3
+    python -m scripts.bench.bare_lightning --accelerator gpu --precision bf16-mixed
 
 Same data, split, model, optimizer, batches and tensor-side metric sums as ``plain_loop``, run by
 ``Trainer(barebones=True)``: no logger, progress bar, checkpointing, callbacks or ``self.log``. What
 it loses against the plain loop is Lightning's per-step machinery (hook dispatch, the optimizer
 closure, batch transfer, progress counters), which no template built on Lightning can remove; what
 the project loses against it is what the template adds.
+
+``--accelerator``/``--precision`` go to the Trainer as they are. On a GPU, the data set is held on
+the device as in ``plain_loop``, so the batches Lightning receives are already there (its transfer
+is then a no-op) and both do the same data work.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from torch import Tensor
 from scripts.bench.paired_step import PairedPlainStep
 from scripts.bench.plain_loop import (
     build_mlp,
+    device_arguments,
     in_memory_batches,
     load_split,
+    refuse_unavailable,
+    torch_device,
     train_val_split,
     work_arguments,
 )
@@ -53,8 +61,9 @@ class BareModule(L.LightningModule):
         cheap_cuda_check_without_gpus()  # as the project does: see its docstring
 
     def _accumulate(self, stage: str, out: Tensor, y: Tensor, loss: Tensor) -> None:
-        loss_sum, correct, seen = self.sums.get(stage) or (torch.zeros((), dtype=torch.float64),
-                                                          torch.zeros((), dtype=torch.long), torch.zeros(()))
+        loss_sum, correct, seen = self.sums.get(stage) or (torch.zeros((), dtype=torch.float64, device=y.device),
+                                                          torch.zeros((), dtype=torch.long, device=y.device),
+                                                          torch.zeros((), device=y.device))
         self.sums[stage] = (loss_sum + loss.detach().double() * len(y), correct + (out.detach().argmax(1) == y).sum(),
                             seen + len(y))
 
@@ -83,7 +92,7 @@ class BareModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if self.timeline:
-            self.timeline.step_end(len(batch[1]))
+            self.timeline.step_end(len(batch[1]), last=batch_idx + 1 == self.trainer.num_training_batches)
 
     def on_validation_epoch_start(self) -> None:
         self.sums.pop("val", None)
@@ -98,19 +107,25 @@ class BareModule(L.LightningModule):
 def main(argv: list[str] | None = None) -> dict:
     parser = work_arguments(__doc__.split("\n")[0])
     parser.add_argument("--paired", default=None, help="also time an interleaved plain step; write to this JSON")
-    args = parser.parse_args(argv)
+    args = device_arguments(parser).parse_args(argv)
+    refuse_unavailable(args)
 
-    timeline = Timeline(rank_path(args.timeline, 0)) if args.timeline else None
+    device = torch_device(args.accelerator)
+    timeline = Timeline(rank_path(args.timeline, 0), cuda=device.type == "cuda") if args.timeline else None
     torch.manual_seed(args.seed)
     x, y, train_idx, val_idx = train_val_split(args.data_dir, args.seed)
     x_test, y_test = load_split(args.data_dir, train=False)
+    x_train, y_train, x_val, y_val = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
+    if device.type == "cuda":  # the whole uint8 data set on the device, as the plain loop holds it
+        x_train, y_train, x_val, y_val, x_test, y_test = (
+            t.to(device) for t in (x_train, y_train, x_val, y_val, x_test, y_test))
     module = BareModule(args.lr, timeline)
     callbacks = [PairedPlainStep(args.paired, args.data_dir, args.lr, args.seed)] if args.paired else []
-    trainer = L.Trainer(barebones=True, accelerator="cpu", devices=1, max_epochs=args.epochs,
-                        limit_train_batches=args.limit_train_batches or 1.0, num_sanity_val_steps=0,
-                        callbacks=callbacks)
-    trainer.fit(module, Batches(x[train_idx], y[train_idx], args.batch_size, train=True),
-                Batches(x[val_idx], y[val_idx], args.batch_size, train=False))
+    trainer = L.Trainer(barebones=True, accelerator=args.accelerator, devices=1, precision=args.precision,
+                        max_epochs=args.epochs, limit_train_batches=args.limit_train_batches or 1.0,
+                        num_sanity_val_steps=0, callbacks=callbacks)
+    trainer.fit(module, Batches(x_train, y_train, args.batch_size, train=True),
+                Batches(x_val, y_val, args.batch_size, train=False))
     trainer.test(module, Batches(x_test, y_test, args.batch_size, train=False), verbose=False)
     loss_sum, correct, seen = module.sums["test"]
     result = {"test/loss": float(loss_sum / seen), "test/acc": float(correct / seen)}

@@ -4,8 +4,9 @@ Every contender gets the same model, data, global batch, optimizer, epochs, step
 thread count (``OMP_NUM_THREADS``/``MKL_NUM_THREADS``; each run records ``torch.get_num_threads()``).
 The project runs as a user runs it, ``python src/train.py`` with the default config (rich progress
 bar, CSV logger, checkpointing, epoch summary, metric plot, printed config tree); the only overrides
-are the epoch count, an optional per-epoch step limit, the run directory and the bench-only
-timeline callback.
+are the epoch count, an optional per-epoch step limit, the run directory, the bench-only
+timeline callback, and the accelerator and precision, which every contender gets explicitly (the
+config's ``accelerator: auto`` would put the project on a GPU next to a plain loop on the CPU).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BATCH = 128  # configs/data/fashion_mnist.yaml
+ACCELERATORS = ("cpu", "gpu")  # Lightning's names; gpu = CUDA
+PRECISIONS = ("32-true", "bf16-mixed")
 _CLUSTER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
 
@@ -28,6 +31,8 @@ class Work:
     epochs: int
     limit_train_batches: int = 0  # steps per epoch; 0 = whole epochs
     batch_size: int | None = None  # global; None = the project config's (128)
+    accelerator: str = "cpu"  # cpu | gpu (Lightning's names)
+    precision: str = "32-true"  # 32-true | bf16-mixed
 
     @property
     def global_batch(self) -> int:
@@ -48,7 +53,8 @@ def project(work: Work, prefix: Path, run_dir: Path, *overrides: str) -> list[st
     """``python src/train.py`` with its defaults, plus the bench timeline callback."""
     cmd = [sys.executable, "src/train.py", f"trainer.max_epochs={work.epochs}", f"hydra.run.dir={run_dir}",
            "+callbacks.bench_timer._target_=scripts.bench.step_timer.StepTimer",
-           f"+callbacks.bench_timer.prefix={prefix}", *overrides]
+           f"+callbacks.bench_timer.prefix={prefix}", *overrides,
+           f"trainer.accelerator={work.accelerator}", f"trainer.precision={work.precision}"]
     if work.batch_size:
         cmd.append(f"data.batch_size={work.batch_size}")
     if work.limit_train_batches:
@@ -64,14 +70,20 @@ def plain(work: Work, prefix: Path, data: str = "in_memory", workers: int = 0) -
     """The plain PyTorch loop (``data="per_sample"``: torchvision's per-sample pipeline)."""
     return [sys.executable, "-m", "scripts.bench.plain_loop", "--epochs", str(work.epochs),
             "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),
-            "--data", data, "--workers", str(workers), "--timeline", str(prefix)]
+            "--data", data, "--workers", str(workers), "--timeline", str(prefix), *device_options(work)]
 
 
 def bare_lightning(work: Work, prefix: Path, paired: bool = False) -> list[str]:
     """The plain loop's work in a minimal LightningModule under ``Trainer(barebones=True)``."""
     return [sys.executable, "-m", "scripts.bench.bare_lightning", "--epochs", str(work.epochs),
             "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),
-            "--timeline", str(prefix), *(["--paired", str(paired_path(prefix))] if paired else [])]
+            "--timeline", str(prefix), *(["--paired", str(paired_path(prefix))] if paired else []),
+            *device_options(work)]
+
+
+def device_options(work: Work) -> list[str]:
+    """The plain scripts' ``--accelerator`` and ``--precision``."""
+    return ["--accelerator", work.accelerator, "--precision", work.precision]
 
 
 def project_paired(work: Work, prefix: Path, run_dir: Path) -> list[str]:
@@ -86,6 +98,9 @@ def paired_path(prefix: Path) -> Path:
 
 
 def plain_ddp(work: Work, prefix: Path, nproc: int) -> list[str]:
+    """The plain torch DDP script: CPU ranks on gloo only (its ``work`` must be on the CPU, in fp32)."""
+    if (work.accelerator, work.precision) != ("cpu", "32-true"):
+        raise ValueError(f"plain_ddp runs on the CPU in 32-true only, not {work.accelerator}/{work.precision}")
     return [sys.executable, "-m", "scripts.bench.plain_ddp", "--nproc", str(nproc), "--epochs", str(work.epochs),
             "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),
             "--threads", "0", "--timeline", str(prefix)]

@@ -24,6 +24,19 @@ class Settings:
     full: bool
     quiet_wait: float = 20.0  # before each run, wait up to this long for other processes to go idle
     batch_size: int | None = None  # global batch of the throughput/DDP runs; None = the config's
+    accelerator: str = "cpu"  # of the throughput, start-up and accuracy contenders: cpu | gpu
+    precision: str = "32-true"  # of the same contenders: 32-true | bf16-mixed
+    device: str = ""  # the device's name (CPU model or GPU name), for the report
+    paired: bool = True  # the throughput suite's paired-step runs (bare Lightning and project)
+
+    def on_device(self) -> dict[str, str]:
+        """The accelerator and precision every single-process contender gets (``contenders.Work`` fields)."""
+        return {"accelerator": self.accelerator, "precision": self.precision}
+
+    def device_label(self) -> str:
+        """E.g. ``gpu (NVIDIA H100 80GB HBM3), bf16-mixed``, for suite titles."""
+        name = f" ({self.device})" if self.device else ""
+        return f"{self.accelerator}{name}, {self.precision}"
 
 
 @dataclass

@@ -14,25 +14,37 @@ import torch
 from scripts.bench.contenders import ROOT
 
 
-def _ms_per_batch(batches, transform, count: int, skip: int = 2) -> float:
+def _ms_per_batch(batches, transform, count: int, skip: int = 2, sync=lambda: None) -> float:
     count = max(1, min(count, len(batches) - skip))  # large batches: fewer per epoch
     it = iter(batches)
     for _ in range(skip):  # first batches include worker start-up
         transform(next(it)[0])
+    sync()
     start = time.perf_counter()
     for _ in range(count):
         transform(next(it)[0])
+    sync()
     return 1e3 * (time.perf_counter() - start) / count
 
 
-def project_batch_ms(batch_size: int = 128, count: int = 200) -> float:
-    """ms to fetch and normalize one training batch with the project's Fashion-MNIST DataModule."""
+def project_batch_ms(batch_size: int = 128, count: int = 200, accelerator: str = "cpu") -> float:
+    """ms to fetch and normalize one training batch with the project's Fashion-MNIST DataModule.
+
+    ``accelerator="gpu"``: as the project trains on a GPU, the uint8 batch is copied from pinned memory
+    and normalized on the device (timed up to ``torch.cuda.synchronize()``).
+    """
     from src.data.mnist_datamodule import MNISTDataModule
 
-    dm = MNISTDataModule(data_dir=str(ROOT / "data"), batch_size=batch_size, system_dir="/usr/share/datasets/fashion-mnist")
+    pin = accelerator == "gpu"
+    dm = MNISTDataModule(data_dir=str(ROOT / "data"), batch_size=batch_size, pin_memory=pin,
+                         system_dir="/usr/share/datasets/fashion-mnist")
     dm.prepare_data()
     dm.setup("fit")
-    return _ms_per_batch(dm.train_dataloader(), lambda x: dm.transform_batch(x, training=True), count)
+    if not pin:
+        return _ms_per_batch(dm.train_dataloader(), lambda x: dm.transform_batch(x, training=True), count)
+    device = torch.device("cuda")
+    return _ms_per_batch(dm.train_dataloader(), lambda x: dm.transform_batch(x.to(device, non_blocking=True), True),
+                         count, sync=torch.cuda.synchronize)
 
 
 def per_sample_batch_ms(workers: int, batch_size: int = 128, count: int = 100) -> float:

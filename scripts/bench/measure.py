@@ -187,6 +187,11 @@ def peak_rss_mb(r: Run) -> list[float]:
     return [t["peak_rss_mb"] for t in r.timelines]
 
 
+def peak_cuda_mb(r: Run) -> float | None:
+    """Peak CUDA memory allocated by rank 0's process, MiB (``None`` for a CPU run)."""
+    return r.timelines[0].get("peak_cuda_mb")
+
+
 def threads(r: Run) -> list[int]:
     return [t["threads"] for t in r.timelines]
 

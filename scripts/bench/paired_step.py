@@ -8,7 +8,10 @@ Lightning's loop plus what the run adds on top (progress bar, logging, callbacks
 The Lightning step is timed from the end of this callback's previous call to the start of its next
 one, so it holds everything Lightning and the other callbacks do per step. The plain step is the
 ``plain_loop`` step: gather and normalize a batch, forward, loss, zero_grad, backward, Adam step, and
-tensor-side loss/accuracy sums. Added on the command line, not in any config:
+tensor-side loss/accuracy sums, on the trainer's device (the data set held there, as ``plain_loop``
+holds it on a GPU) and under its precision (``bf16-mixed``: forward and loss under bf16 autocast). On a
+GPU each timer is read after ``torch.cuda.synchronize()``, so each step's time holds its device work.
+Added on the command line, not in any config:
 ``+callbacks.bench_paired._target_=scripts.bench.paired_step.PairedPlainStep +callbacks.bench_paired.out=<file>``.
 """
 
@@ -23,7 +26,15 @@ from pathlib import Path
 import torch
 from lightning import Callback, LightningModule, Trainer
 
-from scripts.bench.plain_loop import ROOT, build_mlp, in_memory_batches, train_step, train_val_split
+from scripts.bench.plain_loop import (
+    ROOT,
+    autocast_for,
+    build_mlp,
+    in_memory_batches,
+    synchronize,
+    train_step,
+    train_val_split,
+)
 
 
 class PairedPlainStep(Callback):
@@ -40,22 +51,30 @@ class PairedPlainStep(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.world_size != 1:
             raise RuntimeError("PairedPlainStep measures one process; run it without DDP")
+        self.device = device = trainer.strategy.root_device
+        if trainer.precision not in ("32-true", "bf16-mixed"):
+            raise RuntimeError(f"PairedPlainStep does precision 32-true or bf16-mixed, not {trainer.precision}")
+        self.precision = trainer.precision
+        self.autocast = autocast_for(device, self.precision)
         x, y, train_idx, _ = train_val_split(self.data_dir, self.seed)
-        self.x, self.y = x[train_idx], y[train_idx]
-        self.net = build_mlp()
+        self.x, self.y = x[train_idx].to(device), y[train_idx].to(device)
+        self.net = build_mlp().to(device)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr)
-        self.loss_sum, self.correct = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct = torch.zeros((), dtype=torch.long, device=device)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._resumed = None  # the epoch's first step also holds the loader's start-up
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        synchronize(self.device)
         now = time.perf_counter()
         counted = trainer.current_epoch >= self.warmup_epochs
         if counted and self._resumed is not None:
             self.lightning_s.append(now - self._resumed)
         start = time.perf_counter()
         self._plain_step(len(batch[-1]))
+        synchronize(self.device)
         if counted:
             self.plain_s.append(time.perf_counter() - start)
         self._resumed = time.perf_counter()
@@ -66,7 +85,7 @@ class PairedPlainStep(Callback):
         except StopIteration:  # first call, or one pass over the data is done
             self._batches = in_memory_batches(self.x, self.y, batch_size, shuffle=True, drop_last=True)
             xb, yb = next(self._batches)
-        batch_loss, batch_correct = train_step(self.net, self.optimizer, xb, yb)
+        batch_loss, batch_correct = train_step(self.net, self.optimizer, xb, yb, self.autocast)
         self.loss_sum += batch_loss
         self.correct += batch_correct
 
@@ -75,6 +94,6 @@ class PairedPlainStep(Callback):
             return
         record = {"lightning_ms": 1e3 * statistics.median(self.lightning_s),
                   "plain_ms": 1e3 * statistics.median(self.plain_s), "steps": len(self.lightning_s),
-                  "threads": torch.get_num_threads()}
+                  "threads": torch.get_num_threads(), "device": str(self.device), "precision": self.precision}
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(json.dumps(record))

@@ -22,9 +22,10 @@ def per_sample_dataset(data_dir: str, train: bool) -> datasets.FashionMNIST:
 
 
 def per_sample_loader(
-    data_dir: str, train: bool, indices: Sequence[int] | None, batch_size: int, num_workers: int, shuffle: bool
+    data_dir: str, train: bool, indices: Sequence[int] | None, batch_size: int, num_workers: int, shuffle: bool,
+    pin_memory: bool = False,
 ) -> DataLoader:
-    """A DataLoader over (a subset of) the per-sample dataset with the default collate."""
+    """A DataLoader over (a subset of) the per-sample dataset with the default collate (``pin_memory``: for a GPU)."""
     dataset = per_sample_dataset(data_dir, train)
     if indices is not None:
         dataset = Subset(dataset, list(indices))
@@ -35,4 +36,5 @@ def per_sample_loader(
         drop_last=shuffle,  # training drops the last incomplete batch, like the project
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        pin_memory=pin_memory,
     )

@@ -2,18 +2,27 @@
 
     python -m scripts.bench.plain_loop --epochs 3                      # in-memory batches
     python -m scripts.bench.plain_loop --data per_sample --workers 2   # torchvision per-sample pipeline
+    python -m scripts.bench.plain_loop --accelerator gpu --precision bf16-mixed
 
 Same work as ``python src/train.py``: the same 55,000/5,000 train/val split (same seeded
 permutation), MLP 784-512-256-10 with dropout 0.1, Adam (lr 1e-3), batch 128 with the last
 incomplete batch dropped, validation after every epoch, test at the end. Train loss/accuracy are
 accumulated on tensors (no host sync per step), as careful plain code would.
+
+On a GPU (``--accelerator gpu``) the model lives on the device and so does the whole uint8 data set
+(47 MB), so a batch is one index op and the same normalization, both on the device; the per-sample
+pipeline's batches come from pinned memory with non-blocking copies. Timers are read after
+``torch.cuda.synchronize()``. ``--precision bf16-mixed`` runs forward and loss (training and
+evaluation) under ``torch.autocast(device_type, dtype=torch.bfloat16)``, as Lightning's bf16-mixed does.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -21,10 +30,42 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.datasets.mnist import read_image_file, read_label_file
 
+from scripts.bench.contenders import ACCELERATORS, PRECISIONS
 from scripts.bench.per_sample_pipeline import FASHION_MEAN, FASHION_STD, per_sample_loader
 from scripts.bench.timeline import Timeline, rank_path
 
 ROOT = Path(__file__).resolve().parents[2]
+Autocast = Callable[[], AbstractContextManager]  # a fresh autocast context for each step
+
+
+def torch_device(accelerator: str) -> torch.device:
+    return torch.device("cuda" if accelerator == "gpu" else "cpu")
+
+
+def autocast_for(device: torch.device, precision: str) -> Autocast | None:
+    """What wraps forward + loss for ``precision``: ``None`` for 32-true, else a bf16 autocast factory."""
+    if precision == "32-true":
+        return None
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def require_device(accelerator: str, precision: str) -> str | None:
+    """Why ``accelerator``/``precision`` cannot run on this machine (one line), or ``None`` if they can."""
+    if accelerator != "gpu":
+        return None
+    if not torch.cuda.is_available():
+        return (f"--accelerator gpu needs CUDA, but torch {torch.__version__} sees no CUDA device here "
+                f"(built with CUDA {torch.version.cuda or 'none'}); run on a GPU machine or use --accelerator cpu")
+    if precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
+        return (f"--precision bf16-mixed needs a GPU with bfloat16 support; {torch.cuda.get_device_name()} has none: "
+                "use --precision 32-true")
+    return None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA only), so that a timer read next is honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def load_split(data_dir: str, train: bool) -> tuple[Tensor, Tensor]:
@@ -48,10 +89,16 @@ def train_val_split(data_dir: str, seed: int) -> tuple[Tensor, Tensor, Tensor, T
     return x, y, *train_val_indices(len(x), 5000, seed)
 
 
-def train_step(net: nn.Module, optimizer: torch.optim.Optimizer, xb: Tensor, yb: Tensor) -> tuple[Tensor, Tensor]:
+def train_step(net: nn.Module, optimizer: torch.optim.Optimizer, xb: Tensor, yb: Tensor,
+               autocast: Autocast | None = None) -> tuple[Tensor, Tensor]:
     """One plain training step; returns the batch's loss sum and correct count (tensors: no host sync)."""
-    out = net(xb)
-    loss = F.cross_entropy(out, yb)
+    if autocast is None:
+        out = net(xb)
+        loss = F.cross_entropy(out, yb)
+    else:
+        with autocast():
+            out = net(xb)
+            loss = F.cross_entropy(out, yb)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -73,8 +120,10 @@ def normalize(images: Tensor) -> Tensor:
 
 
 def in_memory_batches(x: Tensor, y: Tensor, batch: int, shuffle: bool, drop_last: bool) -> Iterator[tuple[Tensor, Tensor]]:
-    """Whole batches by one index op on the stored tensors, normalized per batch."""
-    order = torch.randperm(len(x)) if shuffle else torch.arange(len(x))
+    """Whole batches by one index op on the stored tensors, normalized per batch (on their device)."""
+    order = torch.randperm(len(x)) if shuffle else torch.arange(len(x))  # the CPU generator on every device
+    if x.device.type != "cpu":
+        order = order.to(x.device)  # once per pass
     stop = len(x) - len(x) % batch if drop_last else len(x)
     for start in range(0, stop, batch):
         idx = order[start:start + batch]
@@ -82,33 +131,66 @@ def in_memory_batches(x: Tensor, y: Tensor, batch: int, shuffle: bool, drop_last
 
 
 @torch.no_grad()
-def evaluate(net: nn.Module, batches) -> tuple[float, float]:
+def evaluate(net: nn.Module, batches, device: torch.device | None = None,
+             autocast: Autocast | None = None) -> tuple[float, float]:
     """(mean loss, accuracy) over all samples of ``batches``."""
     net.eval()
-    loss_sum, correct, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long), 0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct, count = torch.zeros((), dtype=torch.long, device=device), 0
     for xb, yb in batches:
-        out = net(xb)
-        loss_sum += F.cross_entropy(out, yb, reduction="sum").double()
+        if autocast is None:
+            out = net(xb)
+            batch_loss = F.cross_entropy(out, yb, reduction="sum")
+        else:
+            with autocast():
+                out = net(xb)
+                batch_loss = F.cross_entropy(out, yb, reduction="sum")
+        loss_sum += batch_loss.double()
         correct += (out.argmax(1) == yb).sum()
         count += len(yb)
     net.train()
     return float(loss_sum / count), float(correct) / count
 
 
-def make_batches(args, x: Tensor, y: Tensor, train: bool, dataset_train: bool, indices: Tensor | None):
-    """A fresh iterable of batches for one pass, from memory or from the per-sample pipeline."""
+def make_batches(args, x: Tensor, y: Tensor, train: bool, dataset_train: bool, indices: Tensor | None,
+                 device: torch.device | None = None):
+    """A fresh iterable of batches for one pass, from memory or from the per-sample pipeline.
+
+    In memory, batches are made where ``x`` and ``y`` are; per-sample batches are copied to ``device``
+    (from pinned memory when it is a GPU).
+    """
     if args.data == "per_sample":
-        return per_sample_loader(args.data_dir, dataset_train, None if indices is None else indices.tolist(),
-                                 args.batch_size, args.workers, shuffle=train)
-    return _Reiterable(lambda: in_memory_batches(x, y, args.batch_size, shuffle=train, drop_last=train))
+        cuda = device is not None and device.type == "cuda"
+        loader = per_sample_loader(args.data_dir, dataset_train, None if indices is None else indices.tolist(),
+                                   args.batch_size, args.workers, shuffle=train, pin_memory=cuda)
+        return _ToDevice(loader, device) if cuda else loader
+    steps = len(x) // args.batch_size if train else -(-len(x) // args.batch_size)
+    return _Reiterable(lambda: in_memory_batches(x, y, args.batch_size, shuffle=train, drop_last=train), steps)
 
 
 class _Reiterable:
-    def __init__(self, make) -> None:
-        self.make = make
+    def __init__(self, make, length: int) -> None:
+        self.make, self.length = make, length
 
     def __iter__(self):
         return self.make()
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class _ToDevice:
+    """A loader's batches, copied to ``device`` without blocking (the loader pins them)."""
+
+    def __init__(self, loader, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+
+    def __iter__(self):
+        for xb, yb in self.loader:
+            yield xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
+
+    def __len__(self) -> int:
+        return len(self.loader)
 
 
 def work_arguments(description: str) -> argparse.ArgumentParser:
@@ -124,44 +206,71 @@ def work_arguments(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def device_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--accelerator`` and ``--precision``, with Lightning's names for them."""
+    parser.add_argument("--accelerator", choices=ACCELERATORS, default="cpu", help="gpu: CUDA device 0")
+    parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
+                        help="bf16-mixed: forward and loss under torch.autocast(dtype=torch.bfloat16)")
+    return parser
+
+
+def refuse_unavailable(args: argparse.Namespace) -> None:
+    """Exit 2 with one line on stderr when this machine cannot run ``args.accelerator``/``args.precision``."""
+    reason = require_device(args.accelerator, args.precision)
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = work_arguments(__doc__.split("\n")[0])
     parser.add_argument("--data", choices=("in_memory", "per_sample"), default="in_memory")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers of the per-sample pipeline")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
-    args = parser.parse_args(argv)
+    args = device_arguments(parser).parse_args(argv)
+    refuse_unavailable(args)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    timeline = Timeline(rank_path(args.timeline, 0)) if args.timeline else None
+    device = torch_device(args.accelerator)
+    autocast = autocast_for(device, args.precision)
+    timeline = Timeline(rank_path(args.timeline, 0), cuda=device.type == "cuda") if args.timeline else None
     torch.manual_seed(args.seed)
     x, y, train_idx, val_idx = train_val_split(args.data_dir, args.seed)
     x_train, y_train, x_val, y_val = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
     x_test, y_test = load_split(args.data_dir, train=False)
+    if device.type == "cuda" and args.data == "in_memory":  # the whole uint8 data set on the device, once
+        x_train, y_train, x_val, y_val, x_test, y_test = (
+            t.to(device) for t in (x_train, y_train, x_val, y_val, x_test, y_test))
 
-    net = build_mlp()
+    net = build_mlp().to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)
-    train_batches = make_batches(args, x_train, y_train, True, True, train_idx)
-    val_batches = make_batches(args, x_val, y_val, False, True, val_idx)
+    train_batches = make_batches(args, x_train, y_train, True, True, train_idx, device)
+    val_batches = make_batches(args, x_val, y_val, False, True, val_idx, device)
+    steps = min(len(train_batches), args.limit_train_batches or len(train_batches))
     for epoch in range(args.epochs):
         if timeline:
             timeline.epoch_start()
+        synchronize(device)
         start = time.perf_counter()
-        loss_sum, correct, seen = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long), 0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        correct, seen = torch.zeros((), dtype=torch.long, device=device), 0
         for step, (xb, yb) in enumerate(train_batches):
             if args.limit_train_batches and step == args.limit_train_batches:
                 break
-            batch_loss, batch_correct = train_step(net, optimizer, xb, yb)
+            batch_loss, batch_correct = train_step(net, optimizer, xb, yb, autocast)
             loss_sum += batch_loss
             correct += batch_correct
             seen += len(yb)
             if timeline:
-                timeline.step_end(len(yb))
+                timeline.step_end(len(yb), last=step + 1 == steps)
+        synchronize(device)
         seconds = time.perf_counter() - start
-        val_loss, val_acc = evaluate(net, val_batches)
+        val_loss, val_acc = evaluate(net, val_batches, device, autocast)
         print(f"epoch {epoch}: {seconds:.2f} s, {seen / seconds:,.0f} samples/s  train/loss={float(loss_sum) / seen:.4f}"
               f"  train/acc={float(correct) / seen:.4f}  val/loss={val_loss:.4f}  val/acc={val_acc:.4f}", flush=True)
-    test_loss, test_acc = evaluate(net, make_batches(args, x_test, y_test, False, False, None))
+    test_loss, test_acc = evaluate(net, make_batches(args, x_test, y_test, False, False, None, device), device,
+                                   autocast)
     print(f"test/loss={test_loss:.4f}  test/acc={test_acc:.4f}", flush=True)
     result = {"test/loss": test_loss, "test/acc": test_acc}
     if timeline:

@@ -75,6 +75,8 @@ def _mark(met: bool | None) -> str:
 def to_markdown(results: list[SuiteResult], header: dict) -> str:
     out = ["# Benchmark results", "",
            f"{header['date']} on {header['machine']}; torch {header['torch']}, lightning {header['lightning']}; "
+           f"contenders on {header.get('accelerator', 'cpu')} ({header.get('device') or 'unknown'}), "
+           f"precision {header.get('precision', '32-true')}; "
            f"command `{header['command']}`; load average before/after: {header['load_before']} / {header['load_after']}.",
            ""]
     goals = [(r.title, g) for r in results for g in r.goals]

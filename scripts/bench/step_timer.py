@@ -20,13 +20,14 @@ class StepTimer(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.timeline is None:
-            self.timeline = Timeline(rank_path(self.prefix, trainer.global_rank), rank=trainer.global_rank)
+            self.timeline = Timeline(rank_path(self.prefix, trainer.global_rank), rank=trainer.global_rank,
+                                     cuda=trainer.strategy.root_device.type == "cuda")
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.timeline.epoch_start()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        self.timeline.step_end(len(batch[-1]))
+        self.timeline.step_end(len(batch[-1]), last=batch_idx + 1 == trainer.num_training_batches)
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.timeline.meta["test_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()

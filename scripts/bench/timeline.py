@@ -5,6 +5,11 @@ directly) writes the same record, so the harness measures the same span for all 
 ``time.perf_counter()`` except ``first_step_unix`` (``time.time()``), which the harness compares with
 its own launch time to get the start-up cost. The file is written at interpreter exit, so the peak
 RSS covers the whole run (fit and test).
+
+On a GPU (``cuda=True``) the work a stamp closes may still be queued on the device, so the stamps that
+bound a measured span (each epoch's start, its last step's end, the first step) wait for it with
+``torch.cuda.synchronize()``; the other steps are stamped without waiting, so the host keeps running
+ahead of the device as it does in an unmeasured run.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ def peak_rss_mb() -> float:
 class Timeline:
     """Collects epoch starts and step ends; ``dump`` (also run at exit) writes them as JSON to ``path``."""
 
-    def __init__(self, path: str | os.PathLike, rank: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike, rank: int = 0, cuda: bool = False) -> None:
         self.path = Path(path)
         self.rank = rank
+        self.cuda = cuda
         self.epochs: list[dict] = []
         self.first_step_unix: float | None = None
         self.meta: dict = {}
@@ -38,10 +44,17 @@ class Timeline:
         atexit.register(self.dump)
 
     def epoch_start(self) -> None:
+        if self.cuda:
+            _synchronize()
         self.epochs.append({"start": time.perf_counter(), "steps": [], "samples": 0})
 
-    def step_end(self, samples: int) -> None:
-        """Call after the optimizer step of each training batch; ``samples`` this process trained on."""
+    def step_end(self, samples: int, last: bool = False) -> None:
+        """Call after the optimizer step of each training batch; ``samples`` this process trained on.
+
+        ``last``: the epoch's last training step (on a GPU its stamp waits for the device).
+        """
+        if self.cuda and (last or self.first_step_unix is None):
+            _synchronize()
         now = time.perf_counter()
         if self.first_step_unix is None:
             self.first_step_unix = time.time()
@@ -66,8 +79,17 @@ class Timeline:
             "epochs": self.epochs,
             **self.meta,
         }
+        if self.cuda:
+            record["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            record["device"] = torch.cuda.get_device_name()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(record))
+
+
+def _synchronize() -> None:
+    import torch
+
+    torch.cuda.synchronize()
 
 
 def rank_path(prefix: str | os.PathLike, rank: int) -> Path:

@@ -10,16 +10,21 @@ ANCHORS = "zalando's benchmark lists an MLP at 0.900; scikit-learn's best MLPCla
 GOAL_EPOCHS, GOAL_ACC = 10, 0.90
 
 
-def run(bench: Bench) -> SuiteResult:
-    s = bench.settings
-    work = contenders.Work(epochs=s.accuracy_epochs)
-    makers = {
+def makers_of(work: contenders.Work) -> dict:
+    """Contender name -> ``make_cmd(prefix, run_dir)``."""
+    return {
         "project (defaults)": lambda prefix, run_dir: contenders.project(work, prefix, run_dir),
         "project experiment=fashion_mnist_mlp": lambda prefix, run_dir: contenders.project(
             work, prefix, run_dir, "experiment=fashion_mnist_mlp", f"trainer.max_epochs={work.epochs}"),
         "plain loop": lambda prefix, run_dir: contenders.plain(work, prefix),
     }
-    result = SuiteResult("accuracy", f"Accuracy after {work.epochs} epochs (Fashion-MNIST test set)")
+
+
+def run(bench: Bench) -> SuiteResult:
+    s = bench.settings
+    work = contenders.Work(epochs=s.accuracy_epochs, **s.on_device())
+    makers = makers_of(work)
+    result = SuiteResult("accuracy", f"Accuracy after {work.epochs} epochs (Fashion-MNIST test set), {s.device_label()}")
     result.columns = ["contender", "test acc", "wall s"]
     accs: dict[str, float | None] = {}
     for name, make in makers.items():
@@ -34,6 +39,7 @@ def run(bench: Bench) -> SuiteResult:
     result.goals = [Goal(f"project test acc >= {GOAL_ACC} within {GOAL_EPOCHS} epochs",
                          f"{best:.4f} after {work.epochs} epochs" if best is not None else "-",
                          best >= GOAL_ACC if measured else None)]
+    result.raw.update(accelerator=s.accelerator, precision=s.precision, device=s.device)
     result.notes.append(f"Anchors: {ANCHORS}. The project tests the best checkpoint by val/acc; the plain loop "
                         "tests its final weights." + ("" if measured else f" The goal needs {GOAL_EPOCHS} epochs: --full."))
     return result

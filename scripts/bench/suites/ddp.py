@@ -49,6 +49,9 @@ def run(bench: Bench) -> SuiteResult:
         f"Each rank trains {work.global_batch // n} samples per step ({threads_per_rank} torch thread(s) per rank, "
         f"{n} ranks on {s.threads} cores); 'incl. start-up' divides all trained samples by the launch-to-exit wall "
         "time (which also holds validation and test). Steady state as in the throughput suite; ratios compare best rounds.")
+    if (s.accelerator, s.precision) != ("cpu", "32-true"):
+        result.notes.append(f"--accelerator {s.accelerator} --precision {s.precision} do not apply here: this suite "
+                            "compares CPU ranks on gloo in 32-true (the project gets trainer.accelerator=cpu).")
     result.notes.append(bench.noise_note([run for v in runs.values() for run in v]))
     result.raw = {"steady": steady, "overall": overall,
                   "other_load": {name: per_round(runs[name], lambda run: run.other_load) for name in makers},

@@ -24,13 +24,18 @@ def import_seconds(statement: str, threads: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def run(bench: Bench) -> SuiteResult:
-    s = bench.settings
-    work = contenders.Work(epochs=1)
-    makers = {
+def makers_of(work: contenders.Work) -> dict:
+    """Contender name -> ``make_cmd(prefix, run_dir)``."""
+    return {
         "project": lambda prefix, run_dir: contenders.project(work, prefix, run_dir),
         "plain loop": lambda prefix, run_dir: contenders.plain(work, prefix),
     }
+
+
+def run(bench: Bench) -> SuiteResult:
+    s = bench.settings
+    work = contenders.Work(epochs=1, **s.on_device())
+    makers = makers_of(work)
     runs: dict[str, list[measure.Run]] = {name: [] for name in makers}
     imports: dict[str, list[float]] = {name: [] for name in makers}
     for r in range(s.rounds):
@@ -42,7 +47,7 @@ def run(bench: Bench) -> SuiteResult:
     first = {n: per_round(runs[n], measure.first_step_s) for n in makers}
     exit_s = {n: per_round(runs[n], lambda run: run.wall_s) for n in makers}
     rss = {n: per_round(runs[n], lambda run: measure.peak_rss_mb(run)[0]) for n in makers}
-    result = SuiteResult("startup", "Start-up and memory, 1-epoch run (train, validate, test)")
+    result = SuiteResult("startup", f"Start-up and memory, 1-epoch run (train, validate, test), {s.device_label()}")
     result.columns = ["contender", "imports s", "to first step s", "to exit s", "peak RSS MiB"]
     for n in makers:
         result.rows.append([n, spread(imports[n]), spread(first[n]), spread(exit_s[n]), spread(rss[n])])
@@ -67,7 +72,10 @@ def run(bench: Bench) -> SuiteResult:
         "'imports s' times the entry point's "
         "imports alone in a fresh interpreter.")
     result.notes.append(bench.noise_note([run for v in runs.values() for run in v]))
-    result.raw = {"first_step_s": first, "exit_s": exit_s, "peak_rss_mb": rss, "imports_s": imports}
+    result.raw = {"first_step_s": first, "exit_s": exit_s, "peak_rss_mb": rss, "imports_s": imports,
+                  "accelerator": s.accelerator, "precision": s.precision, "device": s.device}
+    if s.accelerator != "cpu":
+        result.raw["peak_cuda_mb"] = {n: per_round(runs[n], measure.peak_cuda_mb) for n in makers}
     plot = bench.out / "startup.png"
     grouped_bars(plot, {n: {"imports": median(imports[n]) or 0, "first step": median(first[n]) or 0,
                             "exit": median(exit_s[n]) or 0} for n in makers},
