@@ -26,6 +26,7 @@ from src.strategies.preflight import check_config, preflight  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
 from src.utils.hydra_launch import isolated_job  # noqa: E402
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
+from src.utils.logging_utils import log_hyperparameters  # noqa: E402
 from src.utils.pylogger import RankedLogger  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
 from src.utils.task import extras, task_wrapper  # noqa: E402
@@ -47,9 +48,10 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")), logger=instantiate_loggers(cfg.get("logger"))
     )
     preflight(trainer, model, datamodule)
+    objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "trainer": trainer}
+    log_hyperparameters(objects)  # rank 0, once: config and parameter counts to every logger
     log.info(f"Testing checkpoint {cfg.ckpt_path}")
     trainer.test(model=model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-    objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "trainer": trainer}
     return dict(trainer.callback_metrics), objects
 
 

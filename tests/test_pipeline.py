@@ -504,3 +504,21 @@ def test_benchmark_script_runs(tmp_path):
     assert [r["m"] for r in result["rows"]] == [1, 2] and result["rows"][1]["ideal"] == pytest.approx(4 / 3)
     assert all(r["samples_per_s"] > 0 for r in result["rows"])
     assert "| 2 |" in markdown(result) and (tmp_path / "results.json").is_file()
+
+
+@pytest.mark.fast
+def test_preflight_applies_the_global_batch_rule_only_to_datamodules_that_say_so():
+    """A DataModule of your own keeps its own meaning of batch_size (often per device); the project's are global."""
+    from lightning import LightningDataModule
+
+    from src.strategies.preflight import preflight
+
+    class Theirs(LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters({"batch_size": 31})
+
+    trainer = Trainer(accelerator="cpu", devices=3, strategy="ddp", logger=False)
+    preflight(trainer, CountingRegression(ToyNet()), Theirs())
+    with pytest.raises(ConfigError, match="use a multiple of 3"):
+        preflight(trainer, CountingRegression(ToyNet()), _toy_data(batch_size=31))

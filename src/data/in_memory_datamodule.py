@@ -38,6 +38,8 @@ class InMemoryDataModule(LightningDataModule):
     Subclasses implement :meth:`load_split` and :meth:`transform_batch`.
     """
 
+    batch_size_is_global = True  # the pre-flight checks the global-batch rule for DataModules that say so
+
     def __init__(
         self,
         data_dir: str = "data/",

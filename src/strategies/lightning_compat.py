@@ -60,17 +60,34 @@ class SetInInit:
         raise AttributeError(name)
 
 
+class CalledIn:
+    """The global and attribute names a function's code refers to: proves Lightning still *uses* a name."""
+
+    def __init__(self, function: Callable) -> None:
+        self.__name__ = function.__qualname__
+        self.names = frozenset(inspect.unwrap(function).__code__.co_names)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.__dict__.get("names", ()):
+            return True
+        raise AttributeError(name)
+
+
 # (where to look, name, what needs it); "where" is called when checked
 PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: subprocess_script, "_hydra_subprocess_cmd", "the per-job Hydra child command"),
+    (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher._call_children_scripts), "_hydra_subprocess_cmd",
+     "the per-job Hydra child command"),
     (lambda: subprocess_script, "_SubprocessScriptLauncher", "the pre-flight launcher (popen)"),
     (lambda: mp_launcher, "_MultiProcessingLauncher", "the pre-flight launcher (spawn)"),
     (lambda: DDPStrategy, "_configure_launcher", "the pre-flight launcher"),
-    (lambda: SetInInit(DDPStrategy), "_start_method", "the pre-flight launcher"),
     (lambda: SetInInit(DDPStrategy), "_launcher", "the pre-flight launcher"),
     (lambda: SetInInit(DDPStrategy), "_layer_sync", "refusing sync_batchnorm where it cannot apply"),
     (lambda: _TrainingEpochLoop, "_broadcast_sigterm_tensor", "the agreed SIGTERM stop"),
+    (lambda: CalledIn(_TrainingEpochLoop.advance), "_broadcast_sigterm_tensor", "the agreed SIGTERM stop"),
     (lambda: _SignalConnector, "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
+    (lambda: CalledIn(_SignalConnector.register_signal_handlers), "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
+    (lambda: SetInInit(_SignalConnector), "received_sigterm", "the SIGTERM stop outside fit"),
     (lambda: SetInInit(Trainer), "_signal_connector", "the agreed SIGTERM stop"),
     (lambda: SetInInit(LightningModule), "_current_fx_name", "fast hook-name writes"),
     (lambda: fabric_optimizer, "_optimizers_to_device", "moving a pipeline stage's optimizer state"),
@@ -137,10 +154,14 @@ class PreflightLaunch:
     """
 
     def _configure_launcher(self) -> None:
-        if self._start_method == "popen":
-            self._launcher = PreflightSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = PreflightMultiprocessingLauncher(self, start_method=self._start_method)
+        super()._configure_launcher()  # Lightning's choice of launcher, then the same launcher with the pre-flight
+        swap = {subprocess_script._SubprocessScriptLauncher: PreflightSubprocessLauncher,
+                mp_launcher._MultiProcessingLauncher: PreflightMultiprocessingLauncher}
+        launcher_cls = swap.get(type(self._launcher))
+        if launcher_cls is None:
+            raise LightningVersionError(f"lightning {lightning.__version__} picked a {type(self._launcher).__name__} "
+                                        f"launcher, which the pre-flight does not know; checked against {CHECKED_AGAINST}")
+        self._launcher.__class__ = launcher_cls  # a subclass that only overrides launch(): no state to convert
 
 
 def layer_sync_of(strategy: Strategy) -> Any:

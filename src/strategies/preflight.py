@@ -99,6 +99,5 @@ def preflight(trainer: L.Trainer, model: L.LightningModule, datamodule: L.Lightn
     if compat.layer_sync_of(strategy) is not None and strategy.root_device.type != "cuda":
         raise ConfigError("trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm is GPU-only): "
                           "set trainer.sync_batchnorm=false on CPU")
-    batch = getattr(datamodule, "hparams", {}).get("batch_size") if datamodule is not None else None
-    if isinstance(batch, int) and not isinstance(batch, bool):
-        per_replica_batch_size(batch, strategy)
+    if getattr(datamodule, "batch_size_is_global", False):  # the project's DataModules; others keep their meaning
+        per_replica_batch_size(datamodule.hparams.batch_size, strategy)

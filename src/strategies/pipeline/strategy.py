@@ -198,8 +198,10 @@ class PipelineStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self.model = self.precision_plugin.convert_module(module)
-        self._split(module, trainer)
+        fresh = self._split(module, trainer)
         self.model_to_device()
+        if fresh:  # on the device: an nccl group broadcasts CUDA tensors only
+            self._sync_replicas(module.net)
         _sync_metrics_over(module, self._mesh.dp_group)  # see module docstring: over replicas, not stages
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -209,11 +211,11 @@ class PipelineStrategy(DDPStrategy):
             compat.optimizers_to_device(self.optimizers, self.root_device)
         install_sigterm_agreement(trainer, self.sigterm_check_every_n_batches)
 
-    def _split(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
-        """Keep this rank's blocks in ``module.net`` and build the pipeline over them (once per net)."""
+    def _split(self, module: pl.LightningModule, trainer: pl.Trainer) -> bool:
+        """Keep this rank's blocks in ``module.net`` and build the pipeline over them; False if already split."""
         net = module.net
         if net is self._split_net:
-            return
+            return False
         self._block_order = [name for name, _ in named_blocks(net)]
         self._plan = self._make_plan(net, trainer)
         self._full_param_names = [n for n, p in module.named_parameters() if p.requires_grad]
@@ -226,11 +228,11 @@ class PipelineStrategy(DDPStrategy):
         modules = [
             (s, nn.Sequential(OrderedDict((b, getattr(net, b)) for b in self._plan[s].blocks))) for s in local
         ]
-        self._sync_replicas(net)
         self._split_net = net
         self._runner = PipelineRunner(modules, self.num_stages, mesh, self.root_device, self.schedule,
                                       self.n_microbatches, module.criterion)
         self._print_plan()
+        return True
 
     def _make_plan(self, net: nn.Module, trainer: pl.Trainer) -> list[StageSpec]:
         if self.balance == "params":
