@@ -43,16 +43,13 @@ def require(owner: Any, name: str, feature: str) -> None:
         )
 
 
-class SetInInit:
-    """The instance attributes a class's ``__init__`` methods assign (read from their code, nothing is built)."""
+class CodeNames:
+    """Names that functions' code refers to (``co_names``): attributes an ``__init__`` assigns, or names a
+    method still calls. Answers ``hasattr`` for them, so :func:`require` checks code without running it."""
 
-    def __init__(self, cls: type) -> None:
-        self.__name__ = cls.__name__
-        names = set()
-        for klass in cls.__mro__:
-            init = inspect.unwrap(klass.__dict__.get("__init__", object.__init__))
-            names.update(getattr(getattr(init, "__code__", None), "co_names", ()))
-        self.names = frozenset(names)
+    def __init__(self, label: str, *functions: Callable) -> None:
+        self.__name__ = label
+        self.names = frozenset(n for f in functions for n in getattr(inspect.unwrap(f), "__code__", None).co_names)
 
     def __getattr__(self, name: str) -> Any:
         if name in self.__dict__.get("names", ()):
@@ -60,17 +57,16 @@ class SetInInit:
         raise AttributeError(name)
 
 
-class CalledIn:
-    """The global and attribute names a function's code refers to: proves Lightning still *uses* a name."""
+def SetInInit(cls: type) -> CodeNames:  # noqa: N802 - reads like the class it stands for
+    """The instance attributes ``cls``'s ``__init__`` methods assign (nothing is built)."""
+    inits = [k.__dict__["__init__"] for k in cls.__mro__ if callable(k.__dict__.get("__init__"))
+             and hasattr(inspect.unwrap(k.__dict__["__init__"]), "__code__")]
+    return CodeNames(cls.__name__, *inits)
 
-    def __init__(self, function: Callable) -> None:
-        self.__name__ = function.__qualname__
-        self.names = frozenset(inspect.unwrap(function).__code__.co_names)
 
-    def __getattr__(self, name: str) -> Any:
-        if name in self.__dict__.get("names", ()):
-            return True
-        raise AttributeError(name)
+def CalledIn(function: Callable) -> CodeNames:  # noqa: N802
+    """The names ``function`` refers to: proves Lightning still *uses* a name the project swaps."""
+    return CodeNames(function.__qualname__, function)
 
 
 # (where to look, name, what needs it); "where" is called when checked
@@ -91,7 +87,6 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: SetInInit(Trainer), "_signal_connector", "the agreed SIGTERM stop"),
     (lambda: SetInInit(LightningModule), "_current_fx_name", "fast hook-name writes"),
     (lambda: fabric_optimizer, "_optimizers_to_device", "moving a pipeline stage's optimizer state"),
-    (lambda: fabric_optimizer, "_optimizer_to_device", "moving a pipeline stage's optimizer state"),
     (lambda: nn.Module, "_replicate_for_data_parallel", "dp replicas on CPU"),
 )
 
@@ -221,10 +216,6 @@ def cheap_cuda_check_without_gpus() -> None:
 def optimizers_to_device(optimizers: list, device: torch.device) -> None:
     """Move every optimizer's state tensors to ``device`` (Lightning's own helper)."""
     fabric_optimizer._optimizers_to_device(optimizers, device)
-
-
-def optimizer_to_device(optimizer: Any, device: torch.device) -> None:
-    fabric_optimizer._optimizer_to_device(optimizer, device)
 
 
 # -- dp: CPU replicas that share the root's parameters -------------------------------------------------

@@ -35,10 +35,9 @@ class StageSpec:
 def named_blocks(net: nn.Module) -> list[tuple[str, nn.Module]]:
     """The ordered ``(name, block)`` pairs of a sequential net; a clear error for anything else."""
     if not isinstance(net, nn.Sequential):
-        hint = " (trainer=pipeline does not support model.compile=true)" if hasattr(net, "_orig_mod") else ""
         raise ConfigError(
             f"trainer=pipeline splits model.net by its named blocks, so it must be an nn.Sequential; "
-            f"got {type(net).__name__}{hint}"
+            f"got {type(net).__name__}"
         )
     return list(net.named_children())
 
