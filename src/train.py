@@ -26,7 +26,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from src.strategies.preflight import check_config, preflight  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
-from src.utils.config_checks import check_no_earlier_checkpoints  # noqa: E402
+from src.utils.config_checks import resume_checkpoint  # noqa: E402
 from src.utils.hydra_launch import isolated_job  # noqa: E402
 from src.utils.instantiators import (  # noqa: E402
     drop_callbacks_needing_a_logger,
@@ -36,6 +36,7 @@ from src.utils.instantiators import (  # noqa: E402
 from src.utils.logging_utils import log_hyperparameters  # noqa: E402
 from src.utils.pylogger import RankedLogger  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
+from src.utils.run_status import run_status  # noqa: E402
 from src.utils.task import extras, get_metric_value, task_wrapper  # noqa: E402
 
 log = RankedLogger(__name__)
@@ -44,12 +45,12 @@ register_resolvers()
 
 @task_wrapper
 def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fit (optionally resuming from ``cfg.ckpt_path``), then test the best checkpoint.
+    """Fit (resuming from ``cfg.ckpt_path``, or this run's own ``last.ckpt``), then test the best checkpoint.
 
     Returns ``(metric_dict, object_dict)`` so tests and sweeps can look inside.
     """
     check_config(cfg)  # before anything is built
-    check_no_earlier_checkpoints(cfg)
+    ckpt_path = resume_checkpoint(cfg, cfg.paths.output_dir)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)  # same seed on every rank: replicas start identical
 
@@ -57,8 +58,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
     log.info(f"Instantiating model <{cfg.model._target_}>")
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-    if cfg.get("ckpt_path"):
-        check_checkpoint(cfg.ckpt_path, model)
+    if ckpt_path:
+        check_checkpoint(ckpt_path, model)
     loggers = instantiate_loggers(cfg.get("logger"))
     callbacks = drop_callbacks_needing_a_logger(instantiate_callbacks(cfg.get("callbacks")), loggers)
     log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
@@ -69,7 +70,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     log_hyperparameters(objects)  # rank 0, once: config and parameter counts to every logger
 
     if cfg.get("train"):
-        trainer.fit(model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        if ckpt_path and not cfg.get("ckpt_path"):
+            log.info(f"Resuming this run from {ckpt_path} (auto_resume=true)")
+        with run_status(trainer, cfg.paths.output_dir):
+            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
     train_metrics = dict(trainer.callback_metrics)
 
     test_metrics: dict[str, Any] = {}

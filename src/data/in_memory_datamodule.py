@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from src.data.components.in_memory import InMemoryDataset, keep_batch
+from src.data.components.resumable_loader import EpochShuffle, ResumableDataLoader
 from src.strategies.batch import per_replica_batch_size
 from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
@@ -34,6 +35,10 @@ class InMemoryDataModule(LightningDataModule):
     * Augmentation draws from this rank's own generator (:meth:`augmentation_generator`), so the
       ranks of a DDP run crop and flip differently.
     * ``pin_memory="auto"`` pins the loaders' batches when the trainer runs on a GPU.
+    * Training can resume mid-epoch, bit-exact: each epoch's order comes from ``(seed, epoch)``, the
+      loader's position is saved in checkpoints (:mod:`src.data.components.resumable_loader`), the
+      loaders never draw from the global RNG, and :meth:`generator_states` exposes the augmentation
+      streams to :class:`~src.callbacks.resume_state.ResumeRandomState`.
 
     Subclasses implement :meth:`load_split` and :meth:`transform_batch`.
     """
@@ -101,7 +106,8 @@ class InMemoryDataModule(LightningDataModule):
                 f"data.batch_size={self.hparams.batch_size} is larger than the training set "
                 f"({len(self.data_train)} samples): lower it"
             )
-        return self._loader(self.data_train, shuffle=True, drop_last=True)
+        sampler = EpochShuffle(self.data_train, seed=self.hparams.seed)
+        return self._loader(self.data_train, sampler=sampler, drop_last=True, loader_class=ResumableDataLoader)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader(self.data_val)
@@ -157,15 +163,26 @@ class InMemoryDataModule(LightningDataModule):
             self._augment_generators[key] = torch.Generator(device=key[0]).manual_seed(seed)
         return self._augment_generators[key]
 
-    def _loader(self, dataset: InMemoryDataset, **kwargs: Any) -> DataLoader:
+    def generator_states(self) -> dict[str, Tensor]:
+        """This rank's augmentation streams, by device, for checkpoints (see :meth:`augmentation_generator`)."""
+        return {str(device): gen.get_state() for (device, _), gen in self._augment_generators.items()}
+
+    def load_generator_states(self, states: dict[str, Tensor]) -> None:
+        """Continue the augmentation streams saved by :meth:`generator_states` on this rank."""
+        for device, state in states.items():
+            self.augmentation_generator(torch.device(device)).set_state(state)
+
+    def _loader(self, dataset: InMemoryDataset, loader_class: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
         workers = self.hparams.num_workers
-        return DataLoader(
+        return loader_class(
             dataset,
             batch_size=self.batch_size_per_replica,
             collate_fn=keep_batch,
             num_workers=workers,
             pin_memory=self.pin_memory,
             persistent_workers=workers > 0,
+            # workers' base seed: from this generator, not the global RNG (which a resumed run restores)
+            generator=torch.Generator().manual_seed(self.hparams.seed),
             **kwargs,
         )
 

@@ -15,7 +15,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.utils.config_checks import check_no_earlier_checkpoints
+from src.utils.errors import ConfigError
 from src.utils.resolvers import rank_zero_value
+from src.utils.run_identity import forget_run_dir
 
 
 def unwritable_reason(directory: Path) -> str | None:
@@ -31,17 +34,31 @@ def unwritable_reason(directory: Path) -> str | None:
 
 
 class OutputDirCheck(Callback):
-    """Stop with one line when the run or sweep directory cannot be created, before anything is written."""
+    """Stop with one line, before Hydra writes anything, when the run or sweep directory cannot be created or
+    holds checkpoints of an earlier run this one would not resume from.
 
-    def _check(self, directory: str) -> None:
+    Other ranks of the launch (torchrun, srun) exit 2 quietly: global rank 0 says why.
+    """
+
+    def _check(self, directory: str, config: DictConfig | None = None) -> None:
         reason = unwritable_reason(Path(directory))
-        if reason:
-            print(f"error: cannot create output dir {directory}: {reason}; choose another with "
-                  "hydra.run.dir=... (or paths.log_dir=...)", file=sys.stderr, flush=True)
+        message = (f"cannot create output dir {directory}: {reason}; fix: choose another with hydra.run.dir=... "
+                   "(or paths.log_dir=...)") if reason else None
+        if message is None and config is not None:
+            try:
+                check_no_earlier_checkpoints(config, directory)
+            except ConfigError as err:
+                message = str(err)
+        if message:
+            if rank_zero_value("0") is not None:
+                print(f"error: {message}", file=sys.stderr, flush=True)
             raise SystemExit(2)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._check(config.hydra.run.dir)
+        self._check(config.hydra.run.dir, config)
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        forget_run_dir()  # release the run dir's lock (a later in-process run chooses anew)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.sweep.dir)

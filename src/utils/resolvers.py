@@ -1,27 +1,12 @@
-"""OmegaConf resolvers that make one run directory per run, whoever launched the ranks."""
+"""OmegaConf resolvers: the run directory every rank of a launch agrees on, and rank-0-only values."""
 
 from __future__ import annotations
 
 import os
-from datetime import datetime
 
 from omegaconf import OmegaConf
 
-
-def run_stamp() -> str:
-    """A run-directory name every rank of one launch agrees on.
-
-    Lightning's own launcher passes the parent's directory to its children, but under
-    torchrun or srun every rank starts Hydra on its own, and per-second timestamps can
-    differ between them. Those launchers export an id shared by all ranks: use it.
-    """
-    day = datetime.now().strftime("%Y-%m-%d")
-    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_NTASKS", "1") != "1":
-        return f"{day}_slurm_{os.environ['SLURM_JOB_ID']}_{os.environ.get('SLURM_STEP_ID', '0')}"
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id:
-        return f"{day}_torchrun_{run_id if run_id != 'none' else 'port' + os.environ.get('MASTER_PORT', '')}"
-    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+from src.utils.run_identity import run_dir_name
 
 
 def rank_zero_value(value: str) -> str | None:
@@ -31,6 +16,6 @@ def rank_zero_value(value: str) -> str | None:
 
 
 def register_resolvers() -> None:
-    for name, fn in (("run_stamp", run_stamp), ("rank_zero", rank_zero_value)):
+    for name, fn in (("run_dir", run_dir_name), ("rank_zero", rank_zero_value)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -1,0 +1,93 @@
+"""Every rank's random state in each checkpoint, so a resumed run continues bit-exact.
+
+Lightning 2 restores weights, optimizer, loop counters and (for stateful loaders) the data position,
+but no random state: after a restart, dropout and augmentation draw other numbers than the
+uninterrupted run would have, and the weights drift apart. No Lightning or torch callback saves it
+per rank, hence this one.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from src.utils.pylogger import RankedLogger
+
+log = RankedLogger(__name__)
+
+CHECKPOINT_KEY = "random_state_per_rank"
+
+
+def capture_random_state(trainer: L.Trainer) -> dict[str, Any]:
+    """This process's random streams, as tensors and plain lists (loadable with ``weights_only=True``)."""
+    np_state = np.random.get_state()
+    version, py_state, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+        "python": [version, list(py_state), gauss],
+    }
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    datamodule = trainer.datamodule
+    if datamodule is not None and hasattr(datamodule, "generator_states"):
+        state["datamodule"] = datamodule.generator_states()
+    return state
+
+
+def restore_random_state(trainer: L.Trainer, state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_random_state` took."""
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    device = trainer.strategy.root_device
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    datamodule = trainer.datamodule
+    if "datamodule" in state and datamodule is not None and hasattr(datamodule, "load_generator_states"):
+        datamodule.load_generator_states(state["datamodule"])
+
+
+class ResumeRandomState(Callback):
+    """Save each rank's random streams in every checkpoint; restore this rank's when training resumes.
+
+    Saving gathers the states to every rank (all ranks build the checkpoint, rank 0 writes it). They
+    are restored at ``on_train_start``: after the resumed run's set-up (sanity check, loader start-up)
+    has drawn whatever it draws, and before the first batch, which is where the saved run stood.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        mine = capture_random_state(trainer)
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            states: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(states, mine)
+        else:
+            states = [mine]
+        checkpoint[CHECKPOINT_KEY] = states
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        states = checkpoint.get(CHECKPOINT_KEY)
+        if not states:
+            log.warning("The checkpoint holds no random state: the resumed run will not match an uninterrupted one")
+        elif len(states) != trainer.world_size:
+            log.warning(f"The checkpoint holds the random state of {len(states)} ranks, this run has "
+                        f"{trainer.world_size}: the resumed run will not match an uninterrupted one")
+        else:
+            self._pending = states[trainer.global_rank]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._pending is not None:
+            restore_random_state(trainer, self._pending)
+            self._pending = None
