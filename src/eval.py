@@ -20,10 +20,12 @@ os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from src.strategies.preflight import check_config, preflight  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
+from src.utils.errors import ConfigError  # noqa: E402
+from src.utils.hydra_errors import hydra_main  # noqa: E402
 from src.utils.hydra_launch import isolated_job  # noqa: E402
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
 from src.utils.logging_utils import log_hyperparameters  # noqa: E402
@@ -35,9 +37,19 @@ log = RankedLogger(__name__)
 register_resolvers()
 
 
+def require_ckpt_path(cfg: DictConfig) -> None:
+    """eval.py tests a checkpoint: say so, in one line, when none was given."""
+    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.get("ckpt_path"):
+        raise ConfigError(
+            "eval.py needs the checkpoint to test and ckpt_path is not set; fix: pass it, e.g. "
+            "ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt"
+        )
+
+
 @task_wrapper
 def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Test ``cfg.ckpt_path``; returns ``(metric_dict, object_dict)``."""
+    require_ckpt_path(cfg)
     check_config(cfg)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
@@ -45,7 +57,9 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     check_checkpoint(cfg.ckpt_path, model)
     trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")), logger=instantiate_loggers(cfg.get("logger"))
+        cfg.trainer,
+        callbacks=instantiate_callbacks(cfg.get("callbacks")),
+        logger=instantiate_loggers(cfg.get("logger")),
     )
     preflight(trainer, model, datamodule)
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "trainer": trainer}
@@ -55,9 +69,10 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     return dict(trainer.callback_metrics), objects
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")
+@hydra_main(version_base="1.3", config_path="../configs", config_name="eval.yaml")  # config errors: 1 line
 def main(cfg: DictConfig) -> None:
     with isolated_job():
+        require_ckpt_path(cfg)  # before extras prints the config, which holds it
         extras(cfg)
         evaluate(cfg)
 

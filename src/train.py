@@ -87,7 +87,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     return {**train_metrics, **test_metrics}, objects
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
+from src.utils.hydra_errors import hydra_main  # noqa: E402
+
+
+@hydra_main(version_base="1.3", config_path="../configs", config_name="train.yaml")  # config errors: 1 line
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry: returns the optimized metric so sweepers can read it."""
     with isolated_job():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,8 +50,14 @@ def test_bad_sigterm_check_interval(tmp_path):
 
 @pytest.mark.fast
 def test_batch_not_divisible_by_replicas_fails_before_launch(tmp_path):
-    proc = run_entry("train", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "data.batch_size=127",
-                     f"hydra.run.dir={tmp_path}/run")
+    proc = run_entry(
+        "train",
+        "trainer=ddp",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        "data.batch_size=127",
+        f"hydra.run.dir={tmp_path}/run",
+    )
     assert proc.returncode == 2
     line = error_line(proc)
     assert "must divide evenly across 2" in line and "multiple of 2" in line
@@ -82,7 +90,12 @@ def test_corrupt_data_file_is_named(tmp_path):
 def test_truncated_system_archive_is_named(tmp_path):
     system = tmp_path / "system"
     system.mkdir()
-    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+    for name in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         with gzip.open(system / f"{name}.gz", "wb") as f:
             f.write(b"\x00" * 64)
     (system / "train-images-idx3-ubyte.gz").write_bytes(b"\x1f\x8b\x08garbage")
@@ -138,11 +151,23 @@ def test_non_writable_output_dir(tmp_path):
     ("overrides", "message"),
     [
         (["trainer=ddp", "trainer.accelerator=gpu"], "no CUDA GPU is visible"),
-        (["trainer=ddp", "trainer.strategy.process_group_backend=nccl", "trainer.accelerator=cpu"], "nccl needs CUDA"),
-        (["trainer=ddp", "trainer.strategy.process_group_backend=mpi", "trainer.accelerator=cpu"], "no MPI support"),
-        (["trainer=ddp", "trainer.strategy.process_group_backend=ucc", "trainer.accelerator=cpu"], "not one of"),
+        (
+            ["trainer=ddp", "trainer.strategy.process_group_backend=nccl", "trainer.accelerator=cpu"],
+            "nccl needs CUDA",
+        ),
+        (
+            ["trainer=ddp", "trainer.strategy.process_group_backend=mpi", "trainer.accelerator=cpu"],
+            "no MPI support",
+        ),
+        (
+            ["trainer=ddp", "trainer.strategy.process_group_backend=ucc", "trainer.accelerator=cpu"],
+            "not one of",
+        ),
         (["trainer.num_nodes=0"], "num_nodes=0"),
-        (["trainer=ddp", "trainer.sync_batchnorm=true", "trainer.accelerator=cpu"], "SyncBatchNorm is GPU-only"),
+        (
+            ["trainer=ddp", "trainer.sync_batchnorm=true", "trainer.accelerator=cpu"],
+            "SyncBatchNorm is GPU-only",
+        ),
         (["model=toy"], "use data=toy"),
         (["data=toy"], "use model=toy"),
     ],
@@ -150,7 +175,9 @@ def test_non_writable_output_dir(tmp_path):
 def test_impossible_combinations(make_cfg, overrides, message, monkeypatch):
     from src.train import train
 
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # cases of a machine without GPUs, whatever this one has
+    monkeypatch.setattr(
+        torch.cuda, "device_count", lambda: 0
+    )  # cases of a machine without GPUs, whatever this one has
     if "mpi" in " ".join(overrides) and torch.distributed.is_mpi_available():
         pytest.skip("this torch has MPI")
     with pytest.raises(SystemExit) as exc:
@@ -163,7 +190,12 @@ def test_impossible_combination_messages(make_cfg, capsys):
     from src.train import train
 
     with pytest.raises(SystemExit):
-        train(make_cfg("train", ["trainer=ddp", "trainer.strategy.process_group_backend=nccl", "trainer.accelerator=cpu"]))
+        train(
+            make_cfg(
+                "train",
+                ["trainer=ddp", "trainer.strategy.process_group_backend=nccl", "trainer.accelerator=cpu"],
+            )
+        )
     assert "process_group_backend=nccl needs CUDA GPUs" in capsys.readouterr().err
 
 
@@ -191,3 +223,101 @@ def test_existing_checkpoints_are_not_overwritten(tmp_path):
     assert proc.returncode == 2
     assert "already holds checkpoints" in error_line(proc)
     assert (ckpt_dir / "last.ckpt").read_bytes() == b"earlier run"
+
+
+# -- one line + exit 2 for every bad input, Hydra's own errors included ------------------------------------
+TOY = [
+    "model=toy",
+    "data=toy",
+    "trainer.accelerator=cpu",
+    "trainer.max_epochs=1",
+    "++trainer.limit_train_batches=2",
+    "++trainer.limit_val_batches=1",
+    "++trainer.limit_test_batches=1",
+    "extras.print_config=false",
+]
+
+
+def one_line_exit_2(proc) -> str:
+    """Exit 2, exactly one ``error: ...; fix: ...`` line, no traceback from any process; returns the line."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = error_line(proc)
+    assert "; fix: " in line, line
+    return line
+
+
+@pytest.mark.fast
+def test_eval_without_ckpt_path(tmp_path):
+    proc = run_entry("eval", *TOY, f"hydra.run.dir={tmp_path}/eval")
+    line = one_line_exit_2(proc)
+    assert "ckpt_path" in line and "ckpt_path=" in line.split("fix:")[1]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer=nope", ["trainer=nope", "ddp", "ddp_spawn", "pipeline"]),
+        (
+            "trainer.max_epoch=3",
+            ["trainer.max_epoch", "did you mean trainer.max_epochs", "+trainer.max_epoch=3"],
+        ),
+        ("trainer.max_epochs=[1", ["trainer.max_epochs=[1", "key=value"]),
+        ("~trainer.no_such_key", ["trainer.no_such_key"]),
+    ],
+)
+def test_hydra_errors_are_one_line(tmp_path, override, expected):
+    proc = run_entry("train", override, f"hydra.run.dir={tmp_path}/run")
+    line = one_line_exit_2(proc)
+    for text in expected:
+        assert text in line, line
+    assert "HYDRA_FULL_ERROR" not in proc.stderr
+
+
+@pytest.mark.fast
+def test_hydra_errors_in_eval_too(tmp_path):
+    line = one_line_exit_2(
+        run_entry("eval", "ckpt_path=x.ckpt", "model=nope", f"hydra.run.dir={tmp_path}/eval")
+    )
+    assert "model=nope" in line and "mlp" in line
+
+
+@pytest.mark.fast
+def test_hydra_full_error_set_by_the_user_keeps_the_trace(tmp_path):
+    proc = run_entry(
+        "train", "trainer.max_epoch=3", f"hydra.run.dir={tmp_path}/run", env={"HYDRA_FULL_ERROR": "1"}
+    )
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "ConfigCompositionException" in proc.stderr
+
+
+@pytest.mark.fast
+def test_a_bug_in_the_job_still_shows_its_traceback(tmp_path):
+    """The one-line rule is for bad input only: an entry point whose job has a bug (here, a RuntimeError and an
+    omegaconf error from reading a key that does not exist) still prints the whole traceback and exits 1."""
+    script = tmp_path / "entry.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from src.utils.hydra_errors import hydra_main\n"
+        "from src.utils.resolvers import register_resolvers\n"
+        "register_resolvers()\n"
+        f"@hydra_main(version_base='1.3', config_path={str(ROOT / 'configs')!r}, config_name='train.yaml')\n"
+        "def main(cfg):\n"
+        "    if cfg.seed == 1:\n"
+        "        raise RuntimeError('a bug')\n"
+        "    return cfg.no_such_key_in_code\n"
+        "main()\n"
+    )
+    for seed, name in (("1", "RuntimeError: a bug"), ("2", "ConfigAttributeError")):
+        proc = subprocess.run(
+            [sys.executable, str(script), f"seed={seed}", f"hydra.run.dir={tmp_path}/run"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert "Traceback" in proc.stderr and name in proc.stderr
+        assert not [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
