@@ -32,6 +32,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
 from src.strategies import lightning_compat as compat
+from src.strategies.checkpoint_io import AtomicCheckpointIODefault
 from src.strategies.dp.shards import (
     ShardRunner,
     batch_size_of,
@@ -43,12 +44,13 @@ from src.strategies.dp.shards import (
 from src.utils.errors import ConfigError
 
 
-class DataParallelStrategy(ParallelStrategy):
+class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
     """Split each batch across ``trainer.devices`` devices of one process; see the module docstring.
 
     The Trainer fills in ``parallel_devices`` from ``accelerator``/``devices`` (CPU ``devices=2``
     gives two CPU "devices", i.e. two threads on the same CPU). Checkpoints hold the root
-    module's plain state dict, loadable by any single-device run.
+    module's plain state dict, loadable by any single-device run; without a ``checkpoint_io``
+    they are written by :class:`~src.strategies.checkpoint_io.AtomicCheckpointIO`.
     """
 
     strategy_name = "dp"

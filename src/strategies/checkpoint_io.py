@@ -1,0 +1,194 @@
+"""Checkpoint files that are never torn, and checkpoint loads that run no code.
+
+Lightning's ``TorchCheckpointIO`` saves through ``_atomic_save``: fsspec writes a temp file in
+``$TMPDIR`` and ``shutil.move``\\ s it onto the checkpoint. When ``$TMPDIR`` is another filesystem
+(tmpfs ``/tmp`` or ``/dev/shm``, a node-local disk under a network checkpoint dir) that move is a
+truncating copy, so a kill during the copy (SIGKILL, OOM killer, preemption) leaves a torn or
+0-byte ``last.ckpt`` in place of the good one, and the temp file leaks. :class:`AtomicCheckpointIO`
+writes its temp file *in the destination directory*, fsyncs it, and ``os.replace``\\ s it onto the
+checkpoint (an atomic rename on POSIX): at every instant the checkpoint is either the old file or
+the new one, whole. Temp files a kill left behind are removed at the next save into that folder.
+
+Loads pass ``weights_only=True`` to ``torch.load`` unless the caller explicitly passes ``False``: a
+checkpoint holds tensors and plain values (the models keep their hyper-parameters plain for this),
+so a crafted file can run no code while it is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.strategies import Strategy
+
+from src.strategies import lightning_compat as compat
+from src.utils.errors import CheckpointError
+
+_PATH = str | os.PathLike
+# the strategy mixin below reads and writes the attribute behind Lightning's Strategy.checkpoint_io
+compat.require(
+    compat.SetInInit(Strategy), "_checkpoint_io", "AtomicCheckpointIODefault (atomic saves by default)"
+)
+
+TEMP_SUFFIX = ".tmp"
+# ``.<checkpoint name>.<pid>.<8 random chars>.tmp``: tempfile.mkstemp's random part is 8 of [a-z0-9_].
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[a-z0-9_]{8}" + re.escape(TEMP_SUFFIX) + r"$")
+
+
+def temp_prefix(checkpoint_name: str) -> str:
+    """The prefix of this process's temp files for ``checkpoint_name`` (the suffix is :data:`TEMP_SUFFIX`)."""
+    return f".{checkpoint_name}.{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # saves are synchronous: a temp file of ours is a leftover of a failed save
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists but is another user's
+        return True
+    return True
+
+
+def cleanup_stale_temp_files(dirpath: _PATH) -> list[Path]:
+    """Remove the temp files of :class:`AtomicCheckpointIO` that a killed save left in ``dirpath``.
+
+    Only names of the exact scheme ``.<name>.<pid>.<random>.tmp`` are touched, and only when the process
+    ``<pid>`` is gone (or is this one), so a save in progress in another process on this machine is left
+    alone. Returns the removed paths.
+    """
+    removed: list[Path] = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(dirpath):
+            match = _TEMP_NAME.match(entry.name)
+            if match is None or not entry.is_file(follow_symlinks=False) or _alive(int(match["pid"])):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _new_file_mode() -> int:
+    """The mode ``open(path, "w")`` would give a new file (mkstemp makes 0o600), from this process's umask."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    umask = os.umask(0o022)  # no /proc: read it by setting it (and put it back at once)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _fsync_dir(dirpath: Path) -> None:
+    """Make the rename itself durable (best effort: some filesystems refuse to fsync a directory)."""
+    try:
+        fd = os.open(dirpath, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _is_local(path: _PATH) -> bool:
+    text = str(path)
+    return "://" not in text or text.startswith("file://")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` with atomic same-directory saves and ``weights_only`` loads.
+
+    Remote paths (``s3://`` and other fsspec URLs) are saved by Lightning's own code. Set as every
+    trainer's default by ``configs/trainer/default.yaml`` (``plugins``).
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None or not _is_local(path):
+            super().save_checkpoint(checkpoint, path, storage_options)  # raises on storage_options
+            return
+        dest = Path(str(path).removeprefix("file://"))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        cleanup_stale_temp_files(dest.parent)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=temp_prefix(dest.name), suffix=TEMP_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), _new_file_mode())
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(dest.parent)
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = True,
+    ) -> dict[str, Any]:
+        """``torch.load(..., weights_only=True)``; ``None`` (what ``trainer.fit`` passes by default) means ``True``.
+
+        Only an explicit ``weights_only=False`` (``trainer.fit(..., weights_only=False)``, for a file you
+        trust) unpickles arbitrary objects.
+        """
+        weights_only = weights_only is not False
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except pickle.UnpicklingError as err:
+            if not weights_only:
+                raise
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(
+                f"{path} holds objects other than tensors and plain values, so it was not loaded "
+                f"(torch.load weights_only=True: {first}); fix: re-save it with plain hyper-parameters, or, only "
+                "if you trust the file, load it with weights_only=False"
+            ) from err
+
+
+def atomic_by_default(io: CheckpointIO | None) -> CheckpointIO:
+    """``io``, or :class:`AtomicCheckpointIO` where none was given; fills an empty wrapper (``AsyncCheckpointIO()``).
+
+    For a strategy's ``checkpoint_io`` getter, so ``Strategy()`` defaults to atomic saves without setting
+    ``checkpoint_io`` in ``__init__`` (the Trainer refuses a strategy's checkpoint_io next to ``plugins``).
+    """
+    if io is None:
+        return AtomicCheckpointIO()
+    if getattr(io, "checkpoint_io", "absent") is None:  # a wrapping IO with no base IO yet
+        io.checkpoint_io = AtomicCheckpointIO()
+    return io
+
+
+class AtomicCheckpointIODefault:
+    """Strategy mixin (list it before Lightning's strategy class): ``checkpoint_io`` defaults to
+    :class:`AtomicCheckpointIO` instead of Lightning's ``TorchCheckpointIO``; one passed in or set by the
+    Trainer's ``plugins`` is kept."""
+
+    _checkpoint_io: CheckpointIO | None
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        self._checkpoint_io = atomic_by_default(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
