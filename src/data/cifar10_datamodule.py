@@ -1,14 +1,23 @@
-"""CIFAR-10 in torchvision's on-disk format (``cifar-10-batches-py``), held in memory as uint8 tensors."""
+"""CIFAR-10 in torchvision's on-disk format (``cifar-10-batches-py``), held in memory as uint8 tensors.
+
+The batch files are pickles; they are read with a restricted unpickler (:mod:`src.data.components.safe_unpickle`)
+that allows numpy arrays and nothing else, so a crafted file in the data folder runs no code, whether or not
+``data.verify_checksums`` is on.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torchvision import datasets
+from torchvision.datasets.utils import check_integrity
 
 from src.data.components.batch_transforms import normalize, random_crop, random_hflip, to_unit_float
+from src.data.components.safe_unpickle import RefusedGlobal, load_numpy_pickle
 from src.data.in_memory_datamodule import InMemoryDataModule
 from src.utils.errors import DataError
 
@@ -17,15 +26,59 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2023, 0.1994, 0.2010)
 
 
-class _CIFAR10(datasets.CIFAR10):
-    """torchvision's reader with the MD5 checks made optional (synthetic test files have other sums)."""
+def _checked(folder: Path, name: str, md5: str | None) -> Path:
+    """``folder/name`` when it exists (and, with ``md5``, has the published checksum), else a one-line DataError."""
+    path = folder / name
+    if not path.is_file():
+        raise DataError(f"{path} is missing; fix: delete {folder} and re-run with data.download=true")
+    if md5 is not None and not check_integrity(str(path), md5):
+        raise DataError(
+            f"{path} is not the published CIFAR-10 file (MD5 differs); fix: delete {folder} and re-run to "
+            "download it again (synthetic files need data.verify_checksums=false)"
+        )
+    return path
 
-    def __init__(self, root: str, train: bool, verify_checksums: bool) -> None:
-        if not verify_checksums:  # torchvision skips the MD5 comparison where the expected sum is None
-            self.train_list = [[name, None] for name, _ in datasets.CIFAR10.train_list]
-            self.test_list = [[name, None] for name, _ in datasets.CIFAR10.test_list]
-            self.meta = {**datasets.CIFAR10.meta, "md5": None}
-        super().__init__(root, train=train, download=False)
+
+def _unpickle(path: Path, folder: Path) -> Any:
+    """torchvision's ``pickle.load(f, encoding="latin1")``, but a file naming anything beyond numpy arrays
+    (``os.system``, ``builtins.exec``, ...) is refused before it is called."""
+    try:
+        return load_numpy_pickle(path)
+    except RefusedGlobal as err:
+        raise DataError(
+            f"{path} asks the unpickler for {err}, which CIFAR-10 files never hold: refused, nothing in it "
+            f"was run; fix: delete {folder} and download it again (or rewrite it with "
+            "scripts/make_synthetic_cifar10.py)"
+        ) from None
+
+
+def read_cifar10(root: str | Path, train: bool, verify_checksums: bool) -> tuple[np.ndarray, list[int]]:
+    """The images (N, 3, 32, 32) uint8 and labels of one split of ``root/cifar-10-batches-py``.
+
+    The files are torchvision's (the ``cifar-10-python.tar.gz`` layout); with ``verify_checksums`` each
+    must have its published MD5 before it is opened.
+    """
+    folder = Path(root) / datasets.CIFAR10.base_folder
+    meta = datasets.CIFAR10.meta
+    files = datasets.CIFAR10.train_list if train else datasets.CIFAR10.test_list
+    data, labels = [], []
+    for name, md5 in files:
+        path = _checked(folder, name, md5 if verify_checksums else None)
+        entry = _unpickle(path, folder)
+        batch = entry.get("data") if isinstance(entry, dict) else None
+        batch_labels = (entry.get("labels", entry.get("fine_labels")) if isinstance(entry, dict) else None)
+        if (not isinstance(batch, np.ndarray) or batch.dtype != np.uint8 or batch.ndim != 2
+                or batch.shape[1] != 3 * 32 * 32 or not isinstance(batch_labels, list)
+                or len(batch_labels) != len(batch)):
+            raise DataError(f"{path} is not a CIFAR-10 batch (a dict with uint8 'data' of N x 3072 and N "
+                            f"'labels'); fix: delete {folder} and download it again")
+        data.append(batch)
+        labels.extend(batch_labels)
+    path = _checked(folder, meta["filename"], meta["md5"] if verify_checksums else None)
+    names = _unpickle(path, folder)
+    if not isinstance(names, dict) or len(names.get(meta["key"], ())) != 10:
+        raise DataError(f"{path} lists no 10 '{meta['key']}'; fix: delete {folder} and download it again")
+    return np.vstack(data).reshape(-1, 3, 32, 32), labels
 
 
 class CIFAR10DataModule(InMemoryDataModule):
@@ -74,15 +127,16 @@ class CIFAR10DataModule(InMemoryDataModule):
 
     def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
         try:
-            ds = _CIFAR10(self.hparams.data_dir, train=train, verify_checksums=self.hparams.verify_checksums)
+            data, labels = read_cifar10(self.hparams.data_dir, train, self.hparams.verify_checksums)
+        except DataError:
+            raise
         except Exception as err:
             hint = "" if not self.hparams.verify_checksums else " (synthetic files need data.verify_checksums=false)"
             raise DataError(
                 f"cannot read CIFAR-10 from {Path(self.hparams.data_dir) / datasets.CIFAR10.base_folder}: "
-                f"{err}{hint}; delete the folder and re-run to download it again"
+                f"{type(err).__name__}: {err}{hint}; delete the folder and re-run to download it again"
             ) from err
-        images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW, uint8
-        return images, torch.as_tensor(ds.targets, dtype=torch.long)
+        return torch.from_numpy(data).contiguous(), torch.as_tensor(labels, dtype=torch.long)  # NCHW, uint8
 
     def transform_batch(self, inputs: Tensor, training: bool) -> Tensor:
         images = to_unit_float(inputs)
