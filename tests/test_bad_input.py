@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -219,7 +220,7 @@ def test_existing_checkpoints_are_not_overwritten(tmp_path):
     ckpt_dir = tmp_path / "run" / "checkpoints"
     ckpt_dir.mkdir(parents=True)
     (ckpt_dir / "last.ckpt").write_bytes(b"earlier run")
-    proc = run_entry("train", f"hydra.run.dir={tmp_path}/run")
+    proc = run_entry("train", f"hydra.run.dir={tmp_path}/run", "auto_resume=false")
     assert proc.returncode == 2
     assert "already holds checkpoints" in error_line(proc)
     assert (ckpt_dir / "last.ckpt").read_bytes() == b"earlier run"
@@ -321,3 +322,182 @@ def test_a_bug_in_the_job_still_shows_its_traceback(tmp_path):
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert "Traceback" in proc.stderr and name in proc.stderr
         assert not [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("port", ["abc", "99999", "0"])
+def test_bad_master_port_fails_before_any_rank_starts(tmp_path, port):
+    proc = run_entry(
+        "train",
+        *TOY,
+        "trainer=ddp",
+        "trainer.devices=2",
+        f"hydra.run.dir={tmp_path}/run",
+        env={"MASTER_PORT": port},
+    )
+    line = one_line_exit_2(proc)
+    assert f"MASTER_PORT={port}" in line and "1-65535" in line
+    assert "MEMBER" not in proc.stderr  # no rank was started
+
+
+@pytest.mark.fast
+def test_negative_learning_rate_is_a_config_error(tmp_path):
+    proc = run_entry("train", *TOY, "model.optimizer.lr=-0.1", f"hydra.run.dir={tmp_path}/run")
+    line = one_line_exit_2(proc)
+    assert "model.optimizer.lr=-0.1" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [("weight_decay", "-1", "model.optimizer.weight_decay=-1"), ("betas", "[1.5,0.9]", "beta")],
+)
+def test_other_invalid_optimizer_values(make_cfg, key, value, named):
+    from src.strategies.preflight import check_config
+
+    cfg = make_cfg(
+        "train", [f"model.optimizer.{key}={value}" if key != "betas" else f"+model.optimizer.betas={value}"]
+    )
+    with pytest.raises(ConfigError, match=named):
+        check_config(cfg)
+
+
+@pytest.mark.fast
+def test_all_devices_on_cpu(tmp_path):
+    """``trainer.devices=-1`` means every GPU; Lightning has no "every CPU" (it raises a TypeError there)."""
+    line = one_line_exit_2(run_entry("train", *TOY, "trainer.devices=-1", f"hydra.run.dir={tmp_path}/run"))
+    assert "trainer.devices=-1" in line and "CPU" in line and "trainer.devices=2" in line
+
+
+@pytest.mark.fast
+def test_zero_devices_on_cpu_does_not_recommend_minus_one(make_cfg, monkeypatch):
+    from src.strategies.preflight import check_trainer_config
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="trainer.devices=0 must be >= 1") as err:
+        check_trainer_config(make_cfg("train", ["trainer.devices=0"]).trainer)
+    assert "-1" not in str(err.value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="-1 for every GPU"):
+        check_trainer_config(make_cfg("train", ["trainer.devices=0", "trainer.accelerator=gpu"]).trainer)
+
+
+@pytest.mark.fast
+def test_dp_batch_smaller_than_devices_fails_before_training(tmp_path):
+    line = one_line_exit_2(
+        run_entry(
+            "train",
+            *TOY,
+            "trainer=dp",
+            "trainer.devices=2",
+            "data.batch_size=1",
+            f"hydra.run.dir={tmp_path}/run",
+        )
+    )
+    assert "data.batch_size=1" in line and "2 dp devices" in line
+
+
+class _PlainDataModule(L.LightningDataModule):
+    """A user's DataModule: not one of the project's (no ``batch_size_is_global``)."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+@pytest.mark.fast
+def test_dp_batch_check_covers_any_datamodule():
+    """dp splits whatever batch the loader yields: a user's DataModule with batch_size=1 on 2 dp devices failed
+    only at the first training step; the pre-flight catches it."""
+    from src.models.components.toy_net import ToyNet
+    from src.models.regression_module import RegressionModule
+    from src.strategies.dp import DataParallelStrategy
+    from src.strategies.preflight import preflight
+
+    trainer = L.Trainer(
+        strategy=DataParallelStrategy(),
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = RegressionModule(net=ToyNet(10, 10, 5), optimizer=torch.optim.SGD)
+    with pytest.raises(ConfigError, match="batch_size=1 cannot give each of the 2 dp devices"):
+        preflight(trainer, model, _PlainDataModule(batch_size=1))
+    preflight(trainer, model, _PlainDataModule(batch_size=2))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("where", ["proc", "under_a_file"])
+def test_unwritable_data_dir(tmp_path, where):
+    """The default data (Fashion-MNIST) is extracted into data_dir: one that cannot be created fails before any
+    rank starts. (A chmod'ed folder would not do: tests may run as root.)"""
+    if where == "proc":
+        data_dir = "/proc/nope"
+    else:
+        (tmp_path / "afile").write_text("keep me")
+        data_dir = f"{tmp_path}/afile/data"
+    proc = run_entry(
+        "train", f"paths.data_dir={data_dir}", "extras.print_config=false", f"hydra.run.dir={tmp_path}/run"
+    )
+    line = one_line_exit_2(proc)
+    assert data_dir in line and "paths.data_dir=" in line.split("fix:")[1]
+
+
+@pytest.mark.fast
+def test_data_dir_check_needs_no_write_when_the_files_are_there(tmp_path):
+    """A read-only data_dir that already holds the files is fine: only a missing file needs writing."""
+    dm = MNISTDataModule(data_dir=str(ROOT / "data"))
+    dm.prepare_data()
+    dm.check_data_dir()  # present: nothing to check
+    with pytest.raises(DataError, match="cannot write the fashion_mnist files into /proc/nope"):
+        MNISTDataModule(data_dir="/proc/nope").check_data_dir()
+
+
+def _checkpoint_case(tmp_path: Path, kind: str) -> Path:
+    if kind == "random bytes":
+        path = tmp_path / "random.ckpt"
+        path.write_bytes(
+            torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+            .numpy()
+            .tobytes()
+        )
+    elif kind == "empty":
+        path = tmp_path / "empty.ckpt"
+        path.write_bytes(b"")
+    else:
+        path = tmp_path / "checkpoints"
+        path.mkdir()
+        (path / "last.ckpt").write_bytes(b"")
+    return path
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [("random bytes", "corrupt"), ("empty", "is empty (0 bytes"), ("directory", "is a directory")],
+)
+def test_bad_checkpoint_files(tmp_path, kind, named):
+    path = _checkpoint_case(tmp_path, kind)
+    line = one_line_exit_2(run_entry("eval", *TOY, f"ckpt_path={path}", f"hydra.run.dir={tmp_path}/eval"))
+    assert named in line and str(path) in line
+    assert "weights_only" not in line
+    if kind == "directory":
+        assert f"ckpt_path={path / 'last.ckpt'}" in line
+
+
+@pytest.mark.fast
+def test_checkpoint_messages_never_advise_unsafe_loading(tmp_path):
+    from src.utils.checkpoint import check_checkpoint
+
+    path = tmp_path / "code.ckpt"
+    torch.save(
+        {"state_dict": {}, "hook": print}, path
+    )  # a pickled global: torch's message says weights_only=False
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint(path, torch.nn.Linear(2, 2))
+    assert "weights_only" not in str(err.value) and "\n" not in str(err.value)
+    assert "Python objects other than weights" in str(err.value)

@@ -12,6 +12,7 @@ from torchvision.datasets.mnist import read_image_file, read_label_file
 from torchvision.datasets.utils import extract_archive
 
 from src.data.components.batch_transforms import normalize, random_crop, random_hflip, to_unit_float
+from src.data.components.data_dir import check_writable_dir
 from src.data.in_memory_datamodule import InMemoryDataModule
 from src.utils.errors import DataError
 
@@ -64,10 +65,18 @@ class MNISTDataModule(InMemoryDataModule):
     def _raw_files(self) -> list[Path]:
         return [self.raw_dir / Path(name).name.removesuffix(".gz") for name, _ in self.dataset_cls.resources]
 
+    def check_data_dir(self) -> None:
+        """Pre-flight (before any rank starts): when the files are not there yet, their folder must be writable."""
+        if not all(f.is_file() for f in self._raw_files()):
+            check_writable_dir(self.raw_dir, f"the {self.hparams.dataset} files")
+
     def prepare_data(self) -> None:
         if all(f.is_file() for f in self._raw_files()):
             return
-        if self.system_dir and all((Path(self.system_dir) / f"{f.name}.gz").is_file() for f in self._raw_files()):
+        self.check_data_dir()
+        if self.system_dir and all(
+            (Path(self.system_dir) / f"{f.name}.gz").is_file() for f in self._raw_files()
+        ):
             self._extract_from(Path(self.system_dir))
             return
         if not self.hparams.download:
@@ -85,7 +94,9 @@ class MNISTDataModule(InMemoryDataModule):
                 extract_archive(str(archive), str(self.raw_dir))
             except (OSError, EOFError) as err:
                 target.unlink(missing_ok=True)
-                raise DataError(f"cannot extract {archive}: {err}; reinstall the package that provides it") from err
+                raise DataError(
+                    f"cannot extract {archive}: {err}; fix: reinstall the package that provides it"
+                ) from err
 
     def _not_found(self, reason: str) -> str:
         name = self.hparams.dataset
@@ -93,7 +104,8 @@ class MNISTDataModule(InMemoryDataModule):
         if name in SYSTEM_DIRS:
             fixes.insert(0, "install them offline with `sudo apt-get install dataset-fashion-mnist`")
         fixes.append("or allow internet access for the download")
-        return f"{name} not found in {self.raw_dir} or {self.system_dir or 'a system folder'} and {reason}; " + ", ".join(fixes)
+        where = f"{self.raw_dir} or {self.system_dir or 'a system folder'}"
+        return f"{name} not found in {where} and {reason}; fix: " + ", ".join(fixes)
 
     def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
         images_file, labels_file = self._raw_files()[0:2] if train else self._raw_files()[2:4]
@@ -105,7 +117,7 @@ class MNISTDataModule(InMemoryDataModule):
         if images.ndim != 3 or len(images) != len(labels):
             raise DataError(
                 f"{images_file} and {labels_file} disagree ({tuple(images.shape)} vs {len(labels)} labels); "
-                "delete them and re-run to extract or download fresh copies"
+                "fix: delete them and re-run to extract or download fresh copies"
             )
         return images.unsqueeze(1).contiguous(), labels.long()
 
@@ -125,5 +137,5 @@ def _read(reader, path: Path) -> Tensor:
         return torch.as_tensor(reader(os.fspath(path)))
     except Exception as err:
         raise DataError(
-            f"corrupt data file {path} ({type(err).__name__}: {err}); delete it and re-run to restore it"
+            f"corrupt data file {path} ({type(err).__name__}: {err}); fix: delete it and re-run to restore it"
         ) from err
