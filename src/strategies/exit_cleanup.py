@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import signal
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -70,3 +73,48 @@ def destroy_default_group_at_exit() -> None:
     """Register :func:`destroy_default_group` to run at interpreter exit, once per process."""
     atexit.unregister(destroy_default_group)  # a sweep sets up a group per job: keep one handler
     atexit.register(destroy_default_group)
+
+
+# -- a rank whose peer is gone ------------------------------------------------------------------------------
+# What gloo/torch say when the other end of a collective went away (the peer exited or crashed).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+PEER_FAILURE_EXIT_CODE = 1  # not 2: the bad input, if any, is the failed peer's to report
+_LAUNCHER_EXIT_WAIT_S = 10.0
+
+
+def peer_failed(err: BaseException) -> bool:
+    """True when ``err`` (or its cause) says a collective lost its peer: another rank failed or exited.
+
+    That rank prints its own error (one line for bad input, a traceback for a bug); this one has nothing
+    to add.
+    """
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, RuntimeError | ConnectionError) and any(text in str(seen) for text in _PEER_GONE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def exit_after_peer_failure(rank: int) -> None:
+    """Stop this rank quietly (one line, no traceback, exit 1) because another rank failed.
+
+    A rank started by Lightning's launcher waits (a few seconds at most) for the launcher, global rank 0,
+    to exit first: the launcher watches its children and SIGKILLs itself when one exits non-zero, which
+    would replace its own exit code (2 for bad input) by -9.
+    """
+    print(
+        f"rank {rank}: stopping because another rank failed (its error is above)", file=sys.stderr, flush=True
+    )
+    if _started_by_lightning_launcher():
+        launcher = os.getppid()
+        deadline = time.monotonic() + _LAUNCHER_EXIT_WAIT_S
+        while os.getppid() == launcher and time.monotonic() < deadline:
+            time.sleep(0.05)
+    raise SystemExit(PEER_FAILURE_EXIT_CODE)
+
+
+def _started_by_lightning_launcher() -> bool:
+    """A child rank Lightning's popen launcher started (not torchrun's, not an srun task)."""
+    launched = os.environ.get("LOCAL_RANK", "0") != "0"
+    return launched and "TORCHELASTIC_RUN_ID" not in os.environ and "SLURM_PROCID" not in os.environ

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -10,14 +11,17 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from src.strategies.exit_cleanup import exit_after_peer_failure, peer_failed
 from src.utils.errors import ConfigError, UserError
-from src.utils.pylogger import RankedLogger
+from src.utils.pylogger import RankedLogger, current_rank
 from src.utils.rich_utils import print_config_tree
 
 log = RankedLogger(__name__)
 
 
-def task_wrapper(task: Callable[[DictConfig], tuple[dict, dict]]) -> Callable[[DictConfig], tuple[dict, dict]]:
+def task_wrapper(
+    task: Callable[[DictConfig], tuple[dict, dict]],
+) -> Callable[[DictConfig], tuple[dict, dict]]:
     """Run a task; always log the output dir and close loggers; turn a :class:`UserError` into one line + exit 2.
 
     Exiting (rather than raising) keeps Hydra from printing a traceback around an error
@@ -29,11 +33,13 @@ def task_wrapper(task: Callable[[DictConfig], tuple[dict, dict]]) -> Callable[[D
         try:
             return task(cfg)
         except Exception as err:
-            cause = user_error_cause(err)
-            if cause is None:
-                raise
-            print(f"error: {cause}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            cause = user_error_cause(err) or rendezvous_error(err)
+            if cause is not None:
+                print(f"error: {cause}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
+            if peer_failed(err):  # another rank failed first and says why: stop quietly
+                exit_after_peer_failure(current_rank())
+            raise
         finally:
             log.info(f"Output dir: {cfg.paths.output_dir}")
             _finish_wandb()
@@ -47,6 +53,26 @@ def user_error_cause(err: BaseException) -> UserError | None:
     while seen is not None:
         if isinstance(seen, UserError):
             return seen
+        seen = seen.__cause__
+    return None
+
+
+_STORE_TIMEOUT = re.compile(r"timed out after (\d+)ms while trying to connect to \(([^,]+), (\d+)\)")
+
+
+def rendezvous_error(err: BaseException) -> UserError | None:
+    """torch's store client gave up reaching MASTER_ADDR:MASTER_PORT (a launcher that skips the pre-flight's
+    bounded wait, e.g. torchrun or srun): the same one line, instead of C++ frames."""
+    seen: BaseException | None = err
+    while seen is not None:
+        found = _STORE_TIMEOUT.search(str(seen))
+        if found:
+            ms, addr, port = found.groups()
+            return UserError(
+                f"could not reach the rendezvous at MASTER_ADDR:MASTER_PORT={addr}:{port} within {int(ms) / 1000:g} s; "
+                "fix: start rank 0 (node 0) with the same MASTER_ADDR and MASTER_PORT, and check that address and "
+                "that the port is open between the machines"
+            )
         seen = seen.__cause__
     return None
 
