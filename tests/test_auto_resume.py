@@ -12,46 +12,22 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.config import ROOT
+from tests.helpers.training_runs import (
+    differing_weights,
+    finish,
+    reference_run,
+    run_dirs,
+    start,
+    wait_for_checkpoint,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
-
-TRAIN = ["model=mlp", "data=fashion_mnist", "data.augment=true", "logger=csv", "trainer.max_epochs=3",
-         "+trainer.limit_train_batches=60", "+trainer.limit_val_batches=5", "test=false",
-         "callbacks.resume_checkpoint.every_n_train_steps=3", "callbacks.metric_plot=null"]
-
-
-def start(log_dir: Path, *extra: str) -> subprocess.Popen:
-    """``python src/train.py ...`` in its own session, so a kill reaches every rank it starts."""
-    return subprocess.Popen([sys.executable, str(ROOT / "src" / "train.py"), *TRAIN, *extra, f"paths.log_dir={log_dir}"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def run_dirs(log_dir: Path) -> list[Path]:
-    root = log_dir / "train" / "runs"
-    return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-
-
-def wait_for_checkpoint(proc: subprocess.Popen, log_dir: Path, timeout: float = 120) -> bool:
-    """Until this attempt has written a last.ckpt (True: there is something to resume) or ended (False)."""
-    started = time.time()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        for d in run_dirs(log_dir):
-            last = d / "checkpoints" / "last.ckpt"
-            if last.is_file() and last.stat().st_mtime > started:
-                return True
-        time.sleep(0.01)
-    return False
-
 
 def kill_during_save(proc: subprocess.Popen, log_dir: Path, timeout: float = 60) -> bool:
     """SIGKILL the run the moment a checkpoint is being written (a temp file next to last.ckpt)."""
@@ -64,10 +40,6 @@ def kill_during_save(proc: subprocess.Popen, log_dir: Path, timeout: float = 60)
                 return True
         time.sleep(0.001)
     return False
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
 
 
 def kill_and_resume(log_dir: Path, extra: list[str], kills: int, seed: int) -> tuple[Path, int]:
@@ -88,8 +60,7 @@ def kill_and_resume(log_dir: Path, extra: list[str], kills: int, seed: int) -> t
             done += killed
             if killed:
                 continue
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
+        assert finish(proc) == 0, proc.stderr_text[-3000:]
         break
     dirs = run_dirs(log_dir)
     assert len(dirs) == 1, f"every re-run must continue the same run dir, got {dirs}"
@@ -98,17 +69,12 @@ def kill_and_resume(log_dir: Path, extra: list[str], kills: int, seed: int) -> t
 
 @pytest.mark.parametrize("extra", [[], ["trainer=ddp", "trainer.devices=2"]], ids=["1-process", "ddp-2-ranks"])
 def test_killed_runs_resume_bit_exact(tmp_path, extra):
-    reference = start(tmp_path / "reference", *extra)
-    _, err = reference.communicate(timeout=600)
-    assert reference.returncode == 0, err[-3000:]
-    (ref_dir,) = run_dirs(tmp_path / "reference")
+    ref_dir = reference_run(tmp_path / "reference", *extra)
 
     run_dir, kills = kill_and_resume(tmp_path / "killed", extra, kills=3, seed=len(extra))
     assert kills >= 2, f"only {kills} kills landed while the run was training"
     assert "status: finished" in (run_dir / "status.yaml").read_text()
-    expected, got = final_weights(ref_dir), final_weights(run_dir)
-    assert expected.keys() == got.keys()
-    differing = [k for k in expected if not torch.equal(expected[k], got[k])]
+    differing = differing_weights(ref_dir, run_dir)
     assert not differing, f"after {kills} kills, weights differ from the uninterrupted run in {differing}"
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 180
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]

@@ -97,7 +97,7 @@ def test_node_script_trains_two_nodes_over_loopback(tmp_path):
     assert "node 1/2: 1 processes, master 127.0.0.1" in outputs[1]
     assert_identical_params(tmp_path / "params")
     (run_dir,) = (tmp_path / "logs" / "train" / "runs").iterdir()  # both nodes named it from the task id
-    assert run_dir.name.endswith("_torchrun_sky-test_lhd_1") and (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert run_dir.name.startswith("sky_sky-test_lhd_1_") and (run_dir / "checkpoints" / "last.ckpt").is_file()
 
 
 def fake_ssh(bin_dir: Path) -> Path:

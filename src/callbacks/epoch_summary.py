@@ -23,6 +23,10 @@ class EpochSummary(Callback):
         self._start = self._train_end = 0.0
         self._samples = 0
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # a run resumed mid-epoch gets no on_train_epoch_start for that epoch: time it from here
+        self.on_train_epoch_start(trainer, pl_module)
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start = self._train_end = time.perf_counter()
         self._samples = 0

@@ -27,16 +27,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
-from lightning.pytorch.strategies import Strategy
 
 from src.strategies import lightning_compat as compat
 from src.utils.errors import CheckpointError
 
 _PATH = str | os.PathLike
-# the strategy mixin below reads and writes the attribute behind Lightning's Strategy.checkpoint_io
-compat.require(
-    compat.SetInInit(Strategy), "_checkpoint_io", "AtomicCheckpointIODefault (atomic saves by default)"
-)
 
 TEMP_SUFFIX = ".tmp"
 # ``.<checkpoint name>.<pid>.<8 random chars>.tmp``: tempfile.mkstemp's random part is 8 of [a-z0-9_].
@@ -182,13 +177,12 @@ class AtomicCheckpointIODefault:
     :class:`AtomicCheckpointIO` instead of Lightning's ``TorchCheckpointIO``; one passed in or set by the
     Trainer's ``plugins`` is kept."""
 
-    _checkpoint_io: CheckpointIO | None
-
     @property
     def checkpoint_io(self) -> CheckpointIO:
-        self._checkpoint_io = atomic_by_default(self._checkpoint_io)
-        return self._checkpoint_io
+        io = atomic_by_default(compat.given_checkpoint_io(self))
+        compat.set_checkpoint_io(self, io)
+        return io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
+        compat.set_checkpoint_io(self, io)

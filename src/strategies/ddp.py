@@ -5,6 +5,11 @@ behaves exactly like ``trainer=ddp``:
   rank with *this job's* command (a multirun would otherwise replay the whole sweep per rank);
 * a SIGTERM reaching any rank stops every rank at the same batch, agreed every
   ``sigterm_check_every_n_batches`` batches (:mod:`src.strategies.sigterm`);
+* a stop signal (SIGTERM, SIGUSR1) saves ``last.ckpt`` at that batch and exits 128 + signal;
+* checkpoints are written atomically and loaded with ``weights_only=True``
+  (:mod:`src.strategies.checkpoint_io`), unless another CheckpointIO is given;
+* a rank that dies or freezes ends every rank soon, with one line naming it (:mod:`src.strategies.watchdog`);
+* a torchrun restart does not read the keys of the attempt before it (:mod:`src.strategies.elastic_restart`);
 * the process group is destroyed before the interpreter exits (:mod:`src.strategies.exit_cleanup`).
 
 Everything else (cluster environments, gradient sync, torchrun/SLURM detection) is Lightning's own.
@@ -12,35 +17,76 @@ Everything else (cluster environments, gradient sync, torchrun/SLURM detection) 
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from torch.distributed.constants import default_pg_timeout
 
 from src.strategies import lightning_compat as compat
+from src.strategies.checkpoint_io import AtomicCheckpointIODefault
+from src.strategies.elastic_restart import init_group_of_this_attempt
 from src.strategies.exit_cleanup import destroy_default_group_at_exit
 from src.strategies.sigterm import check_interval, install_sigterm_agreement
+from src.strategies.watchdog import RankWatchdog
+from src.utils.errors import ConfigError
+from src.utils.task import user_error_cause
 
 
-class DDPStrategy(compat.PreflightLaunch, LightningDDPStrategy):
+class DDPStrategy(compat.PreflightLaunch, AtomicCheckpointIODefault, LightningDDPStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` plus the fixes above.
 
     Args:
         sigterm_check_every_n_batches: how often the ranks agree on a SIGTERM (1 = every batch).
+        hang_timeout_s: a rank whose heartbeat stops this long (frozen, or gone from another host) ends
+            the job (:mod:`src.strategies.watchdog`); a dead rank on the same host is seen within a second.
+            ``None`` turns the watchdog off.
         **kwargs: Lightning's DDPStrategy arguments.
     """
 
-    def __init__(self, *args: Any, sigterm_check_every_n_batches: int = 10, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sigterm_check_every_n_batches: int = 10, hang_timeout_s: float | None = 120.0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sigterm_check_every_n_batches = check_interval(sigterm_check_every_n_batches)
+        if hang_timeout_s is not None and hang_timeout_s <= 0:
+            raise ConfigError(f"hang_timeout_s={hang_timeout_s!r} must be > 0 seconds, or null to turn it off")
+        self.hang_timeout_s = hang_timeout_s
+        self.collective_timeout: timedelta = kwargs.get("timeout") or default_pg_timeout
+        self.requested_backend: str | None = kwargs.get("process_group_backend")
+        self.watchdog: RankWatchdog | None = None
 
     def validate(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
         """Checks this strategy adds to the pre-flight (none for plain DDP); subclasses extend it."""
 
     def setup_distributed(self) -> None:
+        backend = self.requested_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        init_group_of_this_attempt(backend, self.collective_timeout, self.root_device)
         super().setup_distributed()
         destroy_default_group_at_exit()
+        if self.hang_timeout_s and self.world_size > 1 and self.watchdog is None:
+            self.watchdog = RankWatchdog(self.global_rank, self.world_size, timeout_s=self.hang_timeout_s)
+            self.watchdog.start()
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         install_sigterm_agreement(trainer, self.sigterm_check_every_n_batches)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A failed collective because a peer died or froze: name that rank and end this one (watchdog)."""
+        if self.watchdog is not None:
+            if isinstance(exception, SystemExit | KeyboardInterrupt) or user_error_cause(exception) is not None:
+                self.watchdog.finish(reported=True)  # this rank reports its own error: peers stop quietly
+            else:
+                self.watchdog.end_if_a_peer_failed()
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.finish()  # peers no longer count this rank as failed when it exits
+            self.watchdog = None
+        super().teardown()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        return {**state, "watchdog": None}  # ddp_spawn pickles the strategy; the thread stays in its process

@@ -88,6 +88,7 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: SetInInit(LightningModule), "_current_fx_name", "fast hook-name writes"),
     (lambda: fabric_optimizer, "_optimizers_to_device", "moving a pipeline stage's optimizer state"),
     (lambda: nn.Module, "_replicate_for_data_parallel", "dp replicas on CPU"),
+    (lambda: SetInInit(Strategy), "_checkpoint_io", "atomic checkpoint saves by default"),
 )
 
 
@@ -157,6 +158,18 @@ class PreflightLaunch:
             raise LightningVersionError(f"lightning {lightning.__version__} picked a {type(self._launcher).__name__} "
                                         f"launcher, which the pre-flight does not know; checked against {CHECKED_AGAINST}")
         self._launcher.__class__ = launcher_cls  # a subclass that only overrides launch(): no state to convert
+
+
+_CHECKPOINT_IO = "_checkpoint_io"  # Strategy: the CheckpointIO given to it (None: Lightning's default)
+
+
+def given_checkpoint_io(strategy: Strategy) -> Any:
+    """The CheckpointIO passed to ``strategy`` or set by the Trainer's ``plugins``, or None."""
+    return getattr(strategy, _CHECKPOINT_IO)
+
+
+def set_checkpoint_io(strategy: Strategy, io: Any) -> None:
+    setattr(strategy, _CHECKPOINT_IO, io)
 
 
 def layer_sync_of(strategy: Strategy) -> Any:

@@ -1,26 +1,41 @@
-"""SIGTERM in multi-process training: every rank stops at the same batch, agreed every N batches.
+"""Stop signals (SIGTERM, SIGUSR1): every rank stops at the same batch, saves a resumable checkpoint there,
+and the job exits non-zero (or, on SLURM after SIGUSR1, requeues itself).
 
 Lightning starts every training batch of a multi-process run with a blocking broadcast of rank 0's
 SIGTERM flag plus a host sync (Lightning issue 21487). Its signal handler also sends a broadcast of
 its own, which only pairs with the other ranks' next per-batch broadcast, so checking less often
-with that handler in place hangs every rank. The project's strategies replace both pieces:
+with that handler in place hangs every rank. And when it stops, nothing is saved and the process
+exits 0, so a preempted job looks successful. The project's strategies replace these pieces:
 
 * the handler only notes the signal (and, like Lightning's, forwards it to the ranks this process
   launched); during fit it does not stop this rank on its own;
 * every ``every_n_batches`` training batches, the same batches on every rank, the ranks all-reduce
-  (MAX) their notes; if any rank was signalled, all of them stop there together.
+  (MAX) their notes; if any rank was signalled, all of them stop there together;
+* at that batch every rank joins :func:`stop_for_preemption`: ``last.ckpt`` is written (weights,
+  optimizer, loop and data position, random state), then each rank exits with 128 + the signal
+  number (143 for SIGTERM, 138 for SIGUSR1). Re-running the command resumes from there.
 
-So a SIGTERM reaching any one rank stops the job within ``every_n_batches`` batches and no
-collective is left unmatched. Outside fit (validate/test) the handler keeps Lightning's behaviour.
+SIGUSR1 is what ``#SBATCH --signal=SIGUSR1@90`` sends before the time limit: after the checkpoint,
+global rank 0 asks SLURM to requeue the job (``scontrol requeue``), which Lightning's own handler
+would do after saving mid-step from inside the signal handler. Outside fit (validate/test) the
+handler keeps Lightning's behaviour. One-process runs get the same stop, checked after every batch,
+from :class:`src.callbacks.stop_signals.StopSignals`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from lightning import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from src.strategies import lightning_compat as compat
@@ -28,6 +43,21 @@ from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SIGTERMException):
+    """Every rank stopped on a signal after saving ``last.ckpt``; exits with ``128 + signal number``."""
+
+    preempted = True
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+
+    def __str__(self) -> str:
+        return f"{self.signal_name}, last.ckpt saved; exit code {self.code}"
 
 
 def check_interval(every_n_batches: object) -> int:
@@ -39,58 +69,108 @@ def check_interval(every_n_batches: object) -> int:
     return every_n_batches
 
 
+def last_checkpoint_path(trainer: Trainer) -> Path:
+    """Where a stop saves: ``last.ckpt`` next to the first ModelCheckpoint's files (what auto-resume reads)."""
+    dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    root = Path(dirs[0]) if dirs else Path(trainer.default_root_dir) / "checkpoints"
+    return root / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
+
+
+def stop_for_preemption(trainer: Trainer, signum: int) -> NoReturn:
+    """On every rank at the agreed batch: save ``last.ckpt``, requeue on SLURM after SIGUSR1, raise :class:`Preempted`."""
+    name = signal.Signals(signum).name
+    where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
+    path = last_checkpoint_path(trainer)
+    trainer.save_checkpoint(path)  # every rank takes part, global rank 0 writes
+    log.info(f"{name}: every rank stopped at {where}; saved {path}. Re-run the same command to resume.",
+             rank=None)
+    if signum == signal.SIGUSR1 and trainer.is_global_zero:
+        requeue_slurm_job()
+    compat.mark_sigterm_received(trainer)
+    raise Preempted(signum)
+
+
+def requeue_slurm_job() -> None:
+    """``scontrol requeue`` this SLURM job (array task); the requeued job resumes from ``last.ckpt``."""
+    array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    job = f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.warning(f"could not requeue SLURM job {job}: {err}")
+        return
+    if result.returncode == 0:
+        log.info(f"requeued SLURM job {job}")
+    else:
+        log.warning(f"scontrol requeue {job} failed ({result.returncode}): {result.stderr.strip()}")
+
+
 class SigtermSync:
-    """This rank's SIGTERM note, agreed with the other ranks every ``every_n_batches`` batches.
+    """This rank's stop-signal note, agreed with the other ranks every ``every_n_batches`` batches.
 
     A picklable callable (ddp_spawn pickles the trainer): it replaces the loop's per-batch check.
     """
 
     def __init__(self, trainer: Trainer, every_n_batches: int) -> None:
         self.trainer, self.every_n_batches = trainer, every_n_batches
-        self.signalled = False
+        self.signum = 0  # the signal this rank received (0: none)
         self.calls = 0
+
+    @property
+    def signalled(self) -> bool:
+        return self.signum != 0
 
     def __call__(self) -> None:
         due = self.calls % self.every_n_batches == 0
         self.calls += 1
         if not due:
             return
-        flag = torch.tensor([int(self.signalled)], device=self.trainer.strategy.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            step = f"epoch {self.trainer.current_epoch}, global step {self.trainer.global_step}"
-            log.info(f"SIGTERM: every rank stops here ({step})", rank=None)
-            compat.mark_sigterm_received(self.trainer)
-            with contextlib.suppress(Exception):
-                dist.barrier()
-            raise SIGTERMException()
+        signum = self.signum
+        if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([signum], device=self.trainer.strategy.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # SIGTERM (15) wins over SIGUSR1 (10)
+            signum = int(flag.item())
+        if signum:
+            stop_for_preemption(self.trainer, signum)
 
 
 class SigtermNote:
-    """The SIGTERM handler: note the signal for :class:`SigtermSync` instead of stopping this rank alone."""
+    """The stop-signal handler: note the signal for :class:`SigtermSync` instead of stopping this rank alone."""
 
     def __init__(self, sync: SigtermSync) -> None:
         self.sync = sync
 
     def __call__(self, signum, frame) -> None:
         trainer = self.sync.trainer
-        log.info(f"Received SIGTERM ({signum}); the job stops at the next check", rank=None)
+        log.info(f"Received {signal.Signals(signum).name}; the job saves and stops at the next check", rank=None)
         if not self.sync.signalled and trainer.strategy.launcher is not None:
             trainer.strategy.launcher.kill(signum)  # as Lightning: pass it on to the ranks this process started
-        self.sync.signalled = True
+        self.sync.signum = max(self.sync.signum, signum)
         if trainer.state.fn != "fit":  # no per-batch check outside fit: Lightning's own stop
             compat.mark_sigterm_received(trainer)
 
 
-def install_sigterm_agreement(trainer: Trainer, every_n_batches: int) -> bool:
-    """Install the agreed SIGTERM stop on a multi-process ``trainer``; True if installed.
+def install_sigterm_agreement(trainer: Trainer, every_n_batches: int) -> SigtermSync | None:
+    """Install the agreed stop on a multi-process ``trainer``; the :class:`SigtermSync` if installed.
 
     Called from the strategy's ``setup``, before Lightning registers its signal handlers.
-    Single-process trainers keep Lightning's own handling.
+    Single-process trainers are handled by :class:`src.callbacks.stop_signals.StopSignals`.
     """
     check_interval(every_n_batches)
     if trainer.world_size == 1:
-        return False
+        return None
+    return install_stop_handlers(trainer, every_n_batches)
+
+
+def install_stop_handlers(trainer: Trainer, every_n_batches: int) -> SigtermSync:
+    """Handlers for SIGTERM (through Lightning's connector) and SIGUSR1; the loop's check is the returned sync."""
     sync = SigtermSync(trainer, every_n_batches)
-    compat.replace_sigterm_check(trainer, sync, SigtermNote(sync))
-    return True
+    note = SigtermNote(sync)
+    compat.replace_sigterm_check(trainer, sync, note)
+    if threading.current_thread() is threading.main_thread():
+        # Lightning registers SIGUSR1 only for SLURM auto-requeue, and not over a handler already there
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGUSR1, note)
+    return sync

@@ -53,7 +53,8 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike) -> Iterator[None]
         if zero:
             preempted = isinstance(err, SIGTERMException) or getattr(err, "preempted", False)
             where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
-            write_status(run_dir, PREEMPTED if preempted else FAILED, f"{type(err).__name__} at {where}: {err}")
+            detail = f"{err} at {where}" if preempted else f"{type(err).__name__} at {where}: {err}"
+            write_status(run_dir, PREEMPTED if preempted else FAILED, detail)
         raise
     if zero:
         write_status(run_dir, FINISHED, f"epoch {trainer.current_epoch}, global step {trainer.global_step}")

@@ -54,7 +54,7 @@ class ResumableDataLoader(DataLoader):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._batches_done = 0
-        self._skip_next = 0
+        self._resume_at: tuple[int | None, int] | None = None  # (epoch, batches done) from a checkpoint
 
     def state_dict(self) -> dict[str, int | None]:
         return {"epoch": getattr(self.sampler, "epoch", None), "batches_done": self._batches_done}
@@ -63,10 +63,13 @@ class ResumableDataLoader(DataLoader):
         epoch = state.get("epoch")
         if epoch is not None and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
-        self._skip_next = int(state.get("batches_done") or 0)
+        self._resume_at = (epoch, int(state.get("batches_done") or 0))
 
     def __iter__(self) -> Iterator[Any]:
-        skip, self._skip_next = self._skip_next, 0
+        # Runs at the first next(), after the loop set this epoch. A checkpoint taken at the end of an
+        # epoch restores a position the loop never iterates again: it must not skip the next epoch's batches.
+        resume_at, self._resume_at = self._resume_at, None
+        skip = resume_at[1] if resume_at and resume_at[0] == getattr(self.sampler, "epoch", None) else 0
         self._batches_done = 0
         batches = super().__iter__()
         for _ in range(skip):

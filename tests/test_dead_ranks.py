@@ -1,0 +1,56 @@
+"""A rank that dies or freezes ends every rank soon, with one line naming it, and leaves no process behind.
+
+Two DDP ranks over gloo, started as a user would; the fault is a real signal to one rank: SIGKILL (dead)
+or SIGSTOP (frozen: no heartbeat, no progress, no exit). The run stays resumable (last.ckpt).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.helpers.training_runs import finish, run_dirs, start, wait_for_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
+
+LONG = ["trainer=ddp", "trainer.devices=2", "trainer.max_epochs=50", "trainer.strategy.hang_timeout_s=5"]
+
+
+def ranks(proc) -> dict[int, psutil.Process]:
+    """Rank 0 is the process the user started; rank 1 is its child (Lightning's launcher)."""
+    (child,) = psutil.Process(proc.pid).children()
+    return {0: psutil.Process(proc.pid), 1: child}
+
+
+@pytest.mark.parametrize(("victim", "fault"), [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)],
+                         ids=["rank-1-dies", "rank-0-dies", "rank-1-freezes"])
+def test_a_failed_rank_ends_the_job_and_is_named(tmp_path, victim, fault):
+    proc = start(tmp_path, *LONG)
+    assert wait_for_checkpoint(proc, tmp_path)
+    procs = ranks(proc)
+    hit = procs[victim]
+    os.kill(hit.pid, fault)
+    began = time.monotonic()
+    if victim == 0:  # the user's process is the victim; what is left to watch is rank 1
+        procs[1].wait(timeout=60)
+        code = None
+    else:
+        code = finish(proc, timeout=60)
+    took = time.monotonic() - began
+    bound = 5 + 10 if fault == signal.SIGSTOP else 10  # hang_timeout_s + slack; a death is seen at once
+    assert took < bound, f"the job took {took:.1f} s to end"
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs.values()), \
+        "a rank outlived the job"
+    if code is not None:
+        assert code != 0
+        lines = [line for line in proc.stderr_text.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1, proc.stderr_text[-3000:]
+        assert re.match(rf"error: rank {victim} \(host \S+, pid {hit.pid}\) (died|stopped responding)", lines[0])
+        assert "Traceback" not in proc.stderr_text
+    (run_dir,) = run_dirs(tmp_path)
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # resumable: re-running the command continues
