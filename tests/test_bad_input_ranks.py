@@ -5,15 +5,40 @@ Real processes through the CLI, 2 CPU ranks over gloo; addresses are loopback on
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from src.strategies.ports import find_free_port
+from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 from tests.test_bad_input import TOY, one_line_exit_2
+
+
+def run_job(*overrides: str, timeout: int) -> subprocess.CompletedProcess:
+    """``python src/train.py overrides...`` in its own session: on a timeout every rank of the job is killed
+    (an orphaned child rank would otherwise outlive the test, holding the output pipes)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "src" / "train.py"), *overrides],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the job hung for {timeout} s (a rank never exited):\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.mark.faults
@@ -22,8 +47,7 @@ def test_data_error_on_rank_zero_only(tmp_path):
     """prepare_data runs on rank 0 only: it finds no data and says so; rank 1, waiting for it in a barrier, loses
     its peer and stops quietly instead of printing gloo's "Connection closed by peer" traceback."""
     (tmp_path / "empty").mkdir()
-    proc = run_entry(
-        "train",
+    proc = run_job(
         "trainer=ddp",
         "trainer.devices=2",
         "trainer.accelerator=cpu",
@@ -34,12 +58,13 @@ def test_data_error_on_rank_zero_only(tmp_path):
         "data.download=false",
         f"data.system_dir={tmp_path}/nowhere",
         f"hydra.run.dir={tmp_path}/run",
-        timeout=240,
+        timeout=180,
     )
     line = one_line_exit_2(proc)
     assert "fashion_mnist not found" in line
     assert "MEMBER: 2/2" in proc.stderr  # both ranks had started: rank 1 was really there
     assert "Connection closed" not in proc.stderr
+    assert "Exception raised from" not in proc.stderr, proc.stderr[-3000:]  # no C++ frames either
     quiet = [ln for ln in proc.stderr.splitlines() if ln.startswith("rank 1:")]
     assert len(quiet) <= 1, proc.stderr[-2000:]
 
@@ -106,3 +131,42 @@ def test_wait_for_listener_sees_a_late_master():
     finally:
         thread.join()
         server.close()
+
+
+@pytest.mark.fast
+def test_config_error_is_printed_by_rank_zero_only(tmp_path):
+    """torchrun/srun start every rank with the same command line: its error is said once, by global rank 0."""
+    for rank, printed in (("0", 1), ("1", 0)):
+        proc = run_entry(
+            "train", "trainer=nope", f"hydra.run.dir={tmp_path}/run", env={"RANK": rank}, timeout=120
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert len([ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]) == printed
+
+
+@pytest.mark.fast
+def test_torch_store_timeout_becomes_one_line():
+    """A launcher that skips the pre-flight's bounded wait (torchrun, srun) still gets one line from torch's timeout."""
+    from src.utils.task import rendezvous_error
+
+    err = RuntimeError(
+        "The client socket has timed out after 15000ms while trying to connect to (127.0.0.2, 29517)."
+    )
+    message = str(rendezvous_error(err))
+    assert "MASTER_ADDR:MASTER_PORT=127.0.0.2:29517 within 15 s" in message and "; fix: " in message
+
+
+@pytest.mark.fast
+def test_peer_failure_is_recognised():
+    from src.strategies.exit_cleanup import peer_failed
+
+    gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:52940"
+    assert peer_failed(RuntimeError(gloo))
+    try:
+        try:
+            raise RuntimeError(gloo)
+        except RuntimeError as inner:
+            raise ValueError("while tearing down") from inner
+    except ValueError as outer:
+        assert peer_failed(outer)
+    assert not peer_failed(RuntimeError("CUDA out of memory"))

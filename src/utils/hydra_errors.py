@@ -55,8 +55,12 @@ def hydra_main(**kwargs: Any) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def _exit_with(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+def _exit_with(message: str, every_rank_sees_it: bool = False) -> None:
+    """Print ``error: message`` and exit 2; an error every rank of a torchrun/srun launch sees alike (the
+    command line's) is printed by global rank 0 only, the others exit 2 quietly."""
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    if not every_rank_sees_it or rank == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
@@ -108,7 +112,7 @@ def report_config_errors(main: Callable) -> Callable:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-        _exit_with(message)
+        _exit_with(message, every_rank_sees_it=True)
 
     return wrapped
 
