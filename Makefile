@@ -50,6 +50,9 @@ test-fast: $(STAMP) ## Run the quick subset (pytest -m fast)
 test-slow: $(STAMP) ## Run only the multi-process / multi-epoch tests
 	$(PYTHON) -m pytest -q -m slow
 
+test-faults: $(STAMP) ## Run only the fault-injection tests: kills, signals, dead ranks, corrupt files
+	$(PYTHON) -m pytest -q -m faults
+
 lint: $(STAMP) ## Check style with ruff
 	$(PYTHON) -m ruff check .
 

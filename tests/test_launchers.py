@@ -73,6 +73,7 @@ def test_slurm_sweep_submits_one_task_per_device(tmp_path):
     directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)$", script.read_text(), flags=re.M))
     assert directives["nodes"] == "2" and directives["ntasks-per-node"] == "4" and directives["gpus-per-node"] == "4"
     assert directives["partition"] == "gpu" and directives["account"] == "proj" and directives["time"] == "120"
+    assert directives["signal"] == "USR2@90"  # submitit's time-out signal: it requeues the job (max_num_timeout)
     assert re.search(r"^srun .* -m submitit\.core\._submit ", script.read_text(), flags=re.M)  # srun starts the tasks
 
 
@@ -84,3 +85,5 @@ def test_sbatch_script_agrees_with_the_launcher():
     assert directives["ntasks-per-node"] == directives["gpus-per-node"]
     assert re.search(r"^srun .*src/train\.py trainer=ddp", text, flags=re.M)
     assert 'trainer.devices="${SLURM_NTASKS_PER_NODE}"' in text and 'trainer.num_nodes="${SLURM_NNODES}"' in text
+    # before the time limit: every rank saves last.ckpt at an agreed batch and the job requeues itself
+    assert directives["signal"] == "SIGUSR1@90" and re.search(r"^#SBATCH --requeue$", text, flags=re.M)

@@ -17,7 +17,7 @@ from src.strategies.sigterm import SigtermNote, SigtermSync, install_sigterm_agr
 from src.utils.errors import ConfigError
 from tests.helpers.config import ROOT
 
-STOP = re.compile(r"\[rank (\d)\].*every rank stops here \(epoch (\d+), global step (\d+)\)")
+STOP = re.compile(r"\[rank (\d)\].*every rank stopped at epoch (\d+), global step (\d+);")
 
 
 def _wait_for(path, text: str, timeout: float) -> None:
@@ -52,7 +52,7 @@ def test_sigterm_to_rank_zero_only_stops_both_ranks_at_the_same_step(tmp_path, e
         for p in procs:
             p.kill()
     out = [log.read_text(errors="replace") for log in logs]
-    assert codes == [0, 0], out[0][-1500:] + out[1][-1500:]
+    assert codes == [143, 143], out[0][-1500:] + out[1][-1500:]  # preempted: 128 + SIGTERM, last.ckpt saved
     assert "Received SIGTERM" in out[0] and "Received SIGTERM" not in out[1]  # node 1 was never signalled
     stops = [STOP.findall(text) for text in out]
     assert [s[0][0] for s in stops] == ["0", "1"]
@@ -80,7 +80,7 @@ def test_plain_trainer_with_the_project_ddp_strategy_stops_both_ranks_at_the_sam
         for p in procs:
             p.kill()
     out = [log.read_text(errors="replace") for log in logs]
-    assert codes == [0, 0], out[0][-1500:] + out[1][-1500:]
+    assert codes == [143, 143], out[0][-1500:] + out[1][-1500:]  # preempted: 128 + SIGTERM, last.ckpt saved
     assert "Received SIGTERM" in out[0] and "Received SIGTERM" not in out[1]
     stops = [re.findall(r"STOP rank=(\d) epoch=(\d+) step=(\d+)", text) for text in out]
     assert [s[0][0] for s in stops] == ["0", "1"], out
@@ -100,13 +100,14 @@ def test_installed_on_multi_process_trainers_only():
     from lightning import Trainer
 
     single = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
-    assert install_sigterm_agreement(single, 10) is False
+    assert install_sigterm_agreement(single, 10) is None  # one process: the StopSignals callback's job
     assert "_broadcast_sigterm_tensor" not in vars(single.fit_loop.epoch_loop)
 
     ddp = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
-    assert install_sigterm_agreement(ddp, 10) is True
+    sync = install_sigterm_agreement(ddp, 10)
     check, handler = vars(ddp.fit_loop.epoch_loop)["_broadcast_sigterm_tensor"], ddp._signal_connector._sigterm_notifier_fn
-    assert isinstance(check, SigtermSync) and check.every_n_batches == 10
+    assert isinstance(check, SigtermSync) and check.every_n_batches == 10 and check is sync
+    assert signal.getsignal(signal.SIGUSR1) is handler  # SIGUSR1 (SLURM's warning) takes the same path
     assert isinstance(handler, SigtermNote) and handler.sync is check
 
 

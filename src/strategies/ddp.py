@@ -9,6 +9,7 @@ behaves exactly like ``trainer=ddp``:
 * checkpoints are written atomically and loaded with ``weights_only=True``
   (:mod:`src.strategies.checkpoint_io`), unless another CheckpointIO is given;
 * a rank that dies or freezes ends every rank soon, with one line naming it (:mod:`src.strategies.watchdog`);
+* a one-node run rendezvous through a file and gloo binds to loopback (:mod:`src.strategies.local_store`);
 * a torchrun restart does not read the keys of the attempt before it (:mod:`src.strategies.elastic_restart`);
 * the process group is destroyed before the interpreter exits (:mod:`src.strategies.exit_cleanup`).
 
@@ -22,16 +23,21 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from torch.distributed import Store
 from torch.distributed.constants import default_pg_timeout
 
 from src.strategies import lightning_compat as compat
 from src.strategies.checkpoint_io import AtomicCheckpointIODefault
 from src.strategies.elastic_restart import init_group_of_this_attempt
 from src.strategies.exit_cleanup import destroy_default_group_at_exit
+from src.strategies.local_store import init_group_with_local_store
 from src.strategies.sigterm import check_interval, install_sigterm_agreement
 from src.strategies.watchdog import RankWatchdog
 from src.utils.errors import ConfigError
+from src.utils.pylogger import RankedLogger
 from src.utils.task import user_error_cause
+
+log = RankedLogger(__name__)
 
 
 class DDPStrategy(compat.PreflightLaunch, AtomicCheckpointIODefault, LightningDDPStrategy):
@@ -55,17 +61,26 @@ class DDPStrategy(compat.PreflightLaunch, AtomicCheckpointIODefault, LightningDD
         self.collective_timeout: timedelta = kwargs.get("timeout") or default_pg_timeout
         self.requested_backend: str | None = kwargs.get("process_group_backend")
         self.watchdog: RankWatchdog | None = None
+        self.file_store: Store | None = None  # the one-node rendezvous (src/strategies/local_store.py)
 
     def validate(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
         """Checks this strategy adds to the pre-flight (none for plain DDP); subclasses extend it."""
 
     def setup_distributed(self) -> None:
         backend = self.requested_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        init_group_of_this_attempt(backend, self.collective_timeout, self.root_device)
-        super().setup_distributed()
+        self.set_world_ranks()
+        if not init_group_of_this_attempt(backend, self.collective_timeout, self.root_device) and self.num_nodes == 1:
+            store = init_group_with_local_store(backend, self.collective_timeout, self.root_device,
+                                                self.global_rank, self.world_size)
+            if store is not None:  # Lightning's own line, which its skipped initialisation would have printed
+                log.info(f"Initializing distributed: GLOBAL_RANK: {self.global_rank}, MEMBER: {self.global_rank + 1}/"
+                         f"{self.world_size} (one node: file rendezvous, gloo on loopback)", rank=None)
+            self.file_store = store or self.file_store  # kept for later fit/test calls of this process
+        super().setup_distributed()  # Lightning keeps a group that is already up
         destroy_default_group_at_exit()
         if self.hang_timeout_s and self.world_size > 1 and self.watchdog is None:
-            self.watchdog = RankWatchdog(self.global_rank, self.world_size, timeout_s=self.hang_timeout_s)
+            self.watchdog = RankWatchdog(self.global_rank, self.world_size, timeout_s=self.hang_timeout_s,
+                                         store=self.file_store)
             self.watchdog.start()
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -89,4 +104,4 @@ class DDPStrategy(compat.PreflightLaunch, AtomicCheckpointIODefault, LightningDD
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        return {**state, "watchdog": None}  # ddp_spawn pickles the strategy; the thread stays in its process
+        return {**state, "watchdog": None, "file_store": None}  # ddp_spawn pickles the strategy; the thread stays in its process

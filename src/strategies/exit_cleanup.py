@@ -103,6 +103,12 @@ def exit_after_peer_failure(rank: int) -> None:
     to exit first: the launcher watches its children and SIGKILLs itself when one exits non-zero, which
     would replace its own exit code (2 for bad input) by -9.
     """
+    announce_peer_failure(rank)
+    raise SystemExit(PEER_FAILURE_EXIT_CODE)
+
+
+def announce_peer_failure(rank: int) -> None:
+    """Print this rank's one quiet line; a child of Lightning's launcher then lets the launcher exit first."""
     print(
         f"rank {rank}: stopping because another rank failed (its error is above)", file=sys.stderr, flush=True
     )
@@ -111,7 +117,6 @@ def exit_after_peer_failure(rank: int) -> None:
         deadline = time.monotonic() + _LAUNCHER_EXIT_WAIT_S
         while os.getppid() == launcher and time.monotonic() < deadline:
             time.sleep(0.05)
-    raise SystemExit(PEER_FAILURE_EXIT_CODE)
 
 
 def _started_by_lightning_launcher() -> bool:

@@ -116,12 +116,28 @@ def hydra_child_command(command: Callable[[int], tuple[list[str], str]]) -> Iter
         setattr(subprocess_script, _HYDRA_CHILD_COMMAND, previous)
 
 
-def _run_preflight(trainer: Trainer | None, args: tuple) -> None:
+def _run_preflight(trainer: Trainer | None, args: tuple, fresh_store: bool) -> None:
+    from src.strategies.local_store import prepare_local_store
     from src.strategies.preflight import preflight  # the project's checks; imported late (no cycle)
 
     if trainer is not None and trainer.lightning_module is not None:
         datamodule = next((a for a in args if isinstance(a, lightning.LightningDataModule)), None)
         preflight(trainer, trainer.lightning_module, datamodule)
+    if trainer is not None:
+        environment = trainer.strategy.cluster_environment  # one node: rendezvous on a file, nothing listens outside
+        launches = environment is not None and not environment.creates_processes_externally
+        prepare_local_store(trainer.num_nodes, fresh_store, launches_ranks=launches)
+
+
+@contextlib.contextmanager
+def local_store_for_this_launch() -> Iterator[None]:
+    """The file-store path set for this launch's ranks is not inherited by later, unrelated launches."""
+    from src.strategies.local_store import STORE_ENV
+
+    try:
+        yield
+    finally:
+        os.environ.pop(STORE_ENV, None)
 
 
 class PreflightSubprocessLauncher(subprocess_script._SubprocessScriptLauncher):
@@ -130,8 +146,8 @@ class PreflightSubprocessLauncher(subprocess_script._SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         from src.strategies.hydra_child import child_command
 
-        _run_preflight(trainer, args)
-        with hydra_child_command(child_command):
+        _run_preflight(trainer, args, fresh_store=False)
+        with hydra_child_command(child_command), local_store_for_this_launch():
             return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
@@ -139,8 +155,9 @@ class PreflightMultiprocessingLauncher(mp_launcher._MultiProcessingLauncher):
     """Lightning's spawn launcher: checks the run first, in the parent, before any rank starts."""
 
     def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        _run_preflight(trainer, args)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        _run_preflight(trainer, args, fresh_store=True)
+        with local_store_for_this_launch():
+            return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class PreflightLaunch:

@@ -81,7 +81,7 @@ def stop_for_preemption(trainer: Trainer, signum: int) -> NoReturn:
     name = signal.Signals(signum).name
     where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
     path = last_checkpoint_path(trainer)
-    trainer.save_checkpoint(path)  # every rank takes part, global rank 0 writes
+    trainer.save_checkpoint(path, weights_only=False)  # every rank takes part, global rank 0 writes
     log.info(f"{name}: every rank stopped at {where}; saved {path}. Re-run the same command to resume.",
              rank=None)
     if signum == signal.SIGUSR1 and trainer.is_global_zero:

@@ -27,37 +27,46 @@ import threading
 import time
 
 import psutil
-from torch.distributed import TCPStore
+from torch.distributed import Store, TCPStore
 
+from src.strategies.exit_cleanup import announce_peer_failure
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
 
 EXIT_PEER_FAILED = 1
+REPORTED = "reported its own error"  # a peer that printed why it stopped: this rank stops quietly
 STORE_GRACE_S = 10.0  # the store may vanish while its host exits normally: only a lasting silence is a failure
 
 
 class RankWatchdog:
     """Heartbeats between the ranks of one process group, through a client of its rendezvous store."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float = 120.0, interval_s: float = 1.0) -> None:
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float = 120.0, interval_s: float = 1.0,
+                 store: Store | None = None) -> None:
         self.rank, self.world_size = rank, world_size
         self.timeout_s, self.interval_s = timeout_s, interval_s
-        # a torchrun restart keeps the agent's store: keys of an earlier attempt must not count
-        self.prefix = f"lightning_hydra_template/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.prefix = ""  # set in start(), per session
         self.peers: dict[int, dict] = {}
         self._last_seen: dict[int, tuple[int, float]] = {}
-        self._finished: set[int] = set()  # peers that ended on purpose (done, or reporting their own error)
+        self._finished: dict[int, str] = {}  # peers that ended on purpose: "done", or "reported" (their own error)
         self._store_silent_since: float | None = None
         self._stop = threading.Event()
-        self._store: TCPStore | None = None
+        self._store = store  # None: a client of the TCP store at MASTER_ADDR:MASTER_PORT
         self._thread: threading.Thread | None = None
 
     # -- life cycle ------------------------------------------------------------------------------------
     def start(self) -> None:
         """Publish this rank, read every rank's host and PID, start beating (call after the group exists)."""
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        self._store = TCPStore(addr, port, is_master=False, timeout=dt.timedelta(seconds=self.timeout_s))
+        if self._store is None:
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            self._store = TCPStore(addr, port, is_master=False, timeout=dt.timedelta(seconds=self.timeout_s))
+        # A torchrun restart keeps the agent's store, and fit then test start two watchdogs on one store:
+        # keys of an earlier attempt or session must not count. Every rank counts its sessions on this store.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        session = self._store.add(f"lightning_hydra_template/watchdog/{attempt}/sessions/{self.rank}", 1)
+        self.prefix = f"lightning_hydra_template/watchdog/{attempt}/{session}/"
         me = {"host": socket.gethostname(), "pid": os.getpid()}
         self._store.set(self._key("info", self.rank), json.dumps(me))
         self._store.set(self._key("beat", self.rank), "0")
@@ -95,21 +104,26 @@ class RankWatchdog:
         now = time.monotonic()
         try:
             self._store.add(self._key("beat", self.rank), 1)
-            watched = [r for r in self._last_seen if r not in self._finished]
-            self._finished.update(r for r in watched if self._store.check([self._key("finished", r)]))
-            beats = {r: int(self._store.get(self._key("beat", r))) for r in watched if r not in self._finished}
+            for r in self._last_seen:
+                if r not in self._finished and self._store.check([self._key("finished", r)]):
+                    self._finished[r] = self._store.get(self._key("finished", r)).decode()
+            beats = {r: int(self._store.get(self._key("beat", r))) for r in self._last_seen if r not in self._finished}
             self._store_silent_since = None
-        except Exception:  # the store's host (rank 0 under Lightning's launcher, else the agent) is gone
-            dead = [r for r in self._last_seen if r not in self._finished and not self._alive_here(r)]
+        except Exception:  # the TCP store's host (rank 0 under Lightning's launcher, else the agent) is gone
+            dead = [r for r in self._last_seen if self._finished.get(r) != "done" and not self._alive_here(r)]
             if dead:
-                return (dead[0], "died")
+                return (dead[0], REPORTED if self._finished.get(dead[0]) == "reported" else "died")
             self._store_silent_since = self._store_silent_since or now
-            if now - self._store_silent_since < STORE_GRACE_S or 0 in self._finished:
+            if now - self._store_silent_since < STORE_GRACE_S or self._finished.get(0) == "done":
                 return None
+            if self._finished.get(0) == "reported":
+                return (0, REPORTED)
             return (0, f"is unreachable: the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
                        f"{os.environ.get('MASTER_PORT')} stopped answering")
         for peer, (count, since) in sorted(self._last_seen.items()):
             if peer in self._finished:
+                if self._finished[peer] == "reported" and not self._alive_here(peer):
+                    return (peer, REPORTED)  # it said why and is gone: this rank may be stuck waiting for it
                 continue
             if not self._alive_here(peer):
                 return (peer, "died")
@@ -130,11 +144,16 @@ class RankWatchdog:
             return False
 
     def end_if_a_peer_failed(self, wait_s: float | None = None) -> None:
-        """After a failed collective: if a peer died or froze, end this rank as :meth:`_end` does; else return."""
+        """After a failed collective: if a peer died or froze, end this rank as :meth:`_end` does; else return.
+
+        A peer that reported its own error is left to the caller (the exception path stops quietly).
+        """
         wait_s = 3 * self.interval_s if wait_s is None else wait_s
         deadline = time.monotonic() + wait_s
         while True:  # a collective already failed: a peer whose beat stands still during the wait is gone
             failed = self.failed_peer(stale_after_s=wait_s)
+            if failed is not None and failed[1] == REPORTED:
+                return
             if failed is not None:
                 self._end(*failed)
             if time.monotonic() >= deadline:
@@ -144,6 +163,11 @@ class RankWatchdog:
     # -- ending ----------------------------------------------------------------------------------------
     def _end(self, peer: int, what: str) -> None:
         self._stop.set()
+        if what == REPORTED:  # its one line is the job's message; this rank adds the quiet one
+            announce_peer_failure(self.rank)
+            for child in psutil.Process().children(recursive=True):
+                _kill(child.pid)
+            os._exit(EXIT_PEER_FAILED)
         info = self.peers.get(peer, {})
         where = f"rank {peer} (host {info.get('host', '?')}, pid {info.get('pid', '?')})"
         here = info.get("host") == socket.gethostname()
