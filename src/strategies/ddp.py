@@ -33,9 +33,8 @@ from src.strategies.exit_cleanup import destroy_default_group_at_exit
 from src.strategies.local_store import init_group_with_local_store
 from src.strategies.sigterm import check_interval, install_sigterm_agreement
 from src.strategies.watchdog import RankWatchdog
-from src.utils.errors import ConfigError
+from src.utils.errors import ConfigError, user_error_cause
 from src.utils.pylogger import RankedLogger
-from src.utils.task import user_error_cause
 
 log = RankedLogger(__name__)
 

@@ -15,3 +15,13 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that does not exist, cannot be read, or belongs to another model."""
+
+
+def user_error_cause(err: BaseException) -> UserError | None:
+    """The UserError behind ``err``, also when Hydra's ``instantiate`` wrapped it in its own exception."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, UserError):
+            return seen
+        seen = seen.__cause__
+    return None

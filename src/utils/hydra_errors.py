@@ -34,7 +34,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from src.utils.task import user_error_cause
+from src.utils.errors import user_error_cause
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
 _SET_HERE = "SRC_HYDRA_FULL_ERROR_SET_BY_ENTRY"  # FULL_ERROR was set by this module, not by the user

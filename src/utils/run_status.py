@@ -12,9 +12,10 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import lightning as L
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+if TYPE_CHECKING:  # imported by the run-dir resolver, before logging is set up: no Lightning at import
+    import lightning as L
 
 STATUS_FILE = "status.yaml"
 RUNNING, FINISHED, PREEMPTED, FAILED = "running", "finished", "preempted", "failed"
@@ -44,17 +45,19 @@ def read_status(run_dir: str | os.PathLike) -> str | None:
 @contextlib.contextmanager
 def run_status(trainer: L.Trainer, run_dir: str | os.PathLike) -> Iterator[None]:
     """Around ``fit``: ``running``, then ``finished``, ``preempted`` (a stop signal) or ``failed`` (any error)."""
-    zero = trainer.is_global_zero
-    if zero:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    # before fit the ranks are not known yet: the launching process (no rank in its environment) writes
+    if all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")):
         write_status(run_dir, RUNNING)
     try:
         yield
     except BaseException as err:
-        if zero:
+        if trainer.is_global_zero:
             preempted = isinstance(err, SIGTERMException) or getattr(err, "preempted", False)
             where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
             detail = f"{err} at {where}" if preempted else f"{type(err).__name__} at {where}: {err}"
             write_status(run_dir, PREEMPTED if preempted else FAILED, detail)
         raise
-    if zero:
+    if trainer.is_global_zero:
         write_status(run_dir, FINISHED, f"epoch {trainer.current_epoch}, global step {trainer.global_step}")

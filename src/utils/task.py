@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import functools
 import re
+import signal
 import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from src.strategies.exit_cleanup import exit_after_peer_failure, peer_failed
-from src.utils.errors import ConfigError, UserError
+from src.utils.errors import ConfigError, UserError, user_error_cause
 from src.utils.pylogger import RankedLogger, current_rank
 from src.utils.rich_utils import print_config_tree
 
@@ -32,6 +34,10 @@ def task_wrapper(
     def wrapped(cfg: DictConfig) -> tuple[dict, dict]:
         try:
             return task(cfg)
+        except SIGTERMException as err:
+            if err.code is None:  # Lightning's own stop (validate/test): a stopped job must not look successful
+                raise SystemExit(128 + signal.SIGTERM) from None
+            raise
         except Exception as err:
             cause = user_error_cause(err) or rendezvous_error(err)
             if cause is not None:
@@ -45,16 +51,6 @@ def task_wrapper(
             _finish_wandb()
 
     return wrapped
-
-
-def user_error_cause(err: BaseException) -> UserError | None:
-    """The UserError behind ``err``, also when Hydra's ``instantiate`` wrapped it in its own exception."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, UserError):
-            return seen
-        seen = seen.__cause__
-    return None
 
 
 _STORE_TIMEOUT = re.compile(r"timed out after (\d+)ms while trying to connect to \(([^,]+), (\d+)\)")
