@@ -56,7 +56,7 @@ def test_resume_continues_from_saved_step(make_cfg):
     assert objects["trainer"].global_step == 8
     last = Path(first.paths.output_dir) / "checkpoints" / "last.ckpt"
     saved = torch.load(last, map_location="cpu", weights_only=True)
-    assert saved["global_step"] == 8 and saved["epoch"] == 0
+    assert saved["global_step"] == 8 and saved["epoch"] == 1  # written at the end of training (one epoch done)
 
     second = make_cfg("train", [f"ckpt_path={last}", "trainer.max_epochs=2", "test=false"], subdir="second")
     _, objects = train(second)

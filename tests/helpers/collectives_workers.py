@@ -110,12 +110,13 @@ def many_checks(rank: int, world_size: int, out_dir: str) -> dict:
     except CollectiveTimeoutError as err:
         out["timeout_message"] = str(err)
     out["timeout_seconds"] = time.monotonic() - start
+    time.sleep(3)  # no rank leaves (closing its connections) while another still waits for its own timeout
     return out
 
 
 def all_reduce_without_last_rank(ctx):
     if ctx.rank == ctx.world_size - 1:
-        time.sleep(2)  # stay alive so the others see a timeout, not a closed connection
+        time.sleep(8)  # stay alive (also on a loaded machine) so the others see a timeout, not a closed connection
         return None
     t = torch.ones(2)
     ctx.wait(dist.all_reduce(t, async_op=True))
