@@ -69,6 +69,12 @@ def test_data_error_on_rank_zero_only(tmp_path):
     assert len(quiet) <= 1, proc.stderr[-2000:]
 
 
+def start_second_node(tmp_path, env: dict):
+    """Node 1 of a two-node toy DDP run, alone: node 0 never starts."""
+    return run_entry("train", *TOY, "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2",
+                     f"hydra.run.dir={tmp_path}/run", env=env, timeout=120)
+
+
 @pytest.mark.faults
 @pytest.mark.fast
 def test_rendezvous_wait_is_bounded(tmp_path):
@@ -77,16 +83,7 @@ def test_rendezvous_wait_is_bounded(tmp_path):
     port = find_free_port("127.0.0.2")  # nothing listens there once the probe socket is closed
     env = {"NODE_RANK": "1", "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": str(port), "RENDEZVOUS_TIMEOUT": "3"}
     started = time.monotonic()
-    proc = run_entry(
-        "train",
-        *TOY,
-        "trainer=ddp",
-        "trainer.devices=1",
-        "trainer.num_nodes=2",
-        f"hydra.run.dir={tmp_path}/run",
-        env=env,
-        timeout=120,
-    )
+    proc = start_second_node(tmp_path, env)
     line = one_line_exit_2(proc)
     assert f"127.0.0.2:{port}" in line and "RENDEZVOUS_TIMEOUT" in line
     assert time.monotonic() - started < 90
@@ -97,16 +94,7 @@ def test_rendezvous_wait_is_bounded(tmp_path):
 def test_rendezvous_needs_master_addr_and_port(tmp_path, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    proc = run_entry(
-        "train",
-        *TOY,
-        "trainer=ddp",
-        "trainer.devices=1",
-        "trainer.num_nodes=2",
-        f"hydra.run.dir={tmp_path}/run",
-        env={"NODE_RANK": "1"},
-        timeout=120,
-    )
+    proc = start_second_node(tmp_path, {"NODE_RANK": "1"})
     assert "MASTER_ADDR and MASTER_PORT" in one_line_exit_2(proc)
 
 

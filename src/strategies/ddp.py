@@ -102,5 +102,5 @@ class DDPStrategy(compat.PreflightLaunch, AtomicCheckpointIODefault, LightningDD
         super().teardown()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        return {**state, "watchdog": None, "file_store": None}  # ddp_spawn pickles the strategy; the thread stays in its process
+        # ddp_spawn pickles the strategy: the watchdog thread and the store stay in the process that made them
+        return {**self.__dict__, "watchdog": None, "file_store": None}
