@@ -75,6 +75,13 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         with run_status(trainer, cfg.paths.output_dir):
             trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
     train_metrics = dict(trainer.callback_metrics)
+    metric = cfg.get("optimized_metric")
+    if cfg.get("train") and metric and metric not in train_metrics and trainer.state.finished:
+        # resumed from the final checkpoint of a run that had finished training: fit logged nothing, so
+        # validate the final weights, which gives what the uninterrupted run's last validation gave
+        log.info(f"Training had already finished at step {trainer.global_step}: validating the final weights")
+        trainer.validate(model=model, datamodule=datamodule, verbose=False)
+        train_metrics = dict(trainer.callback_metrics)
 
     test_metrics: dict[str, Any] = {}
     if cfg.get("test"):

@@ -10,6 +10,7 @@ from omegaconf import open_dict
 
 from src.eval import evaluate
 from src.train import train
+from src.utils.task import get_metric_value
 
 PAIRS = [
     ("fashion_mnist", "mlp", []),
@@ -64,6 +65,13 @@ def test_resume_continues_from_saved_step(make_cfg):
     assert trainer.global_step == 16  # 8 restored + 8 new, not 8 from scratch
     assert trainer.current_epoch == 2
     assert last.is_file()  # the checkpoint we resumed from is untouched
+
+    # the final checkpoint again: nothing left to train, and the optimized metric still comes back
+    done = make_cfg("train", [f"ckpt_path={last}", "test=false"], subdir="third")
+    metrics, objects = train(done)
+    assert objects["trainer"].global_step == 8
+    assert 0.0 <= float(metrics[done.optimized_metric]) <= 1.0
+    assert get_metric_value(metrics, done.optimized_metric) == float(metrics[done.optimized_metric])
 
 
 @pytest.mark.slow

@@ -194,6 +194,25 @@ def layer_sync_of(strategy: Strategy) -> Any:
     return getattr(strategy, "_layer_sync", None)
 
 
+# -- resume: a checkpoint saved on the last batch of an epoch -----------------------------------------
+def end_restart_on_last_batch(trainer: Trainer) -> bool:
+    """Work around a Lightning 2.6 restart bug; True when it applied.
+
+    Resuming from a checkpoint saved in ``on_train_batch_end`` of an epoch's last batch (a periodic
+    or preemption checkpoint), the fit loop's ``reset`` finishes that epoch but keeps its
+    ``restarted_mid_epoch`` stage for the whole next epoch. That epoch is then never counted as
+    started, and ``on_train_epoch_start`` is skipped. A checkpoint taken in that epoch holds
+    counters that a second resume reads as "epoch finished": that epoch runs again. Call this at
+    ``on_train_start``, after ``reset`` and before the next epoch begins. Every name it uses is
+    public.
+    """
+    loop = trainer.fit_loop
+    if loop.restarted_mid_epoch and loop.epoch_loop.batch_progress.is_last_batch:
+        loop.reset_restart_stage()
+        return True
+    return False
+
+
 # -- SIGTERM: replace Lightning's per-batch broadcast with an agreement every N batches --------------
 _PER_BATCH_CHECK = "_broadcast_sigterm_tensor"  # _TrainingEpochLoop: a broadcast + host sync before every batch
 _SIGTERM_HANDLER = "_sigterm_notifier_fn"  # _SignalConnector: the SIGTERM handler registered at each run
