@@ -32,9 +32,10 @@ class ClassificationModule(StepModule):
         num_classes: int = 10,
         compile: bool = False,
         compile_backend: str = "inductor",
+        fused_optimizer: bool = True,
     ) -> None:
         super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile,
-                         compile_backend=compile_backend)
+                         compile_backend=compile_backend, fused_optimizer=fused_optimizer)
         for stage in STAGES:  # train_loss, val_loss, test_loss, train_acc, ...
             setattr(self, f"{stage}_loss", SampleMean())
             setattr(self, f"{stage}_acc", MulticlassAccuracy(num_classes, average="micro", validate_args=False))

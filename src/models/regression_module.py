@@ -24,9 +24,10 @@ class RegressionModule(StepModule):
         scheduler: Any | None = None,
         compile: bool = False,
         compile_backend: str = "inductor",
+        fused_optimizer: bool = True,
     ) -> None:
         super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile,
-                         compile_backend=compile_backend)
+                         compile_backend=compile_backend, fused_optimizer=fused_optimizer)
         for stage in STAGES:  # train_loss, val_loss, test_loss
             setattr(self, f"{stage}_loss", SampleMean())
         self.val_loss_best = MinMetric()

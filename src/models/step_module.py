@@ -21,6 +21,7 @@ from lightning import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from src.models.optimizers import build_optimizer
 from src.models.step_output import StepOutput
 from src.strategies import lightning_compat as compat
 from src.utils.seeding import rank_seed
@@ -46,6 +47,7 @@ class StepModule(compat.FastHookName, LightningModule):
         scheduler: Any | None = None,
         compile: bool = False,
         compile_backend: str = "inductor",
+        fused_optimizer: bool = True,
     ) -> None:
         super().__init__()
         # Only plain values go into the checkpoint's hparams, so it loads with torch.load(weights_only=True):
@@ -135,7 +137,8 @@ class StepModule(compat.FastHookName, LightningModule):
             self.net_compiled = True
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = build_optimizer(self.optimizer_factory, params, fused=self.hparams.fused_optimizer)
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
         scheduler = self.scheduler_factory(optimizer=optimizer)
