@@ -18,6 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
+from src.utils import prompt_exit  # noqa: E402
+
+if __name__ == "__main__":
+    prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
+
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -78,4 +83,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with prompt_exit.exit_code_recorded():  # then end without the interpreter's 1.5 s teardown
+        main()

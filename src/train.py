@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script without installing the package
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
+from src.utils import prompt_exit  # noqa: E402
+
+if __name__ == "__main__":
+    prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
+
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
@@ -107,4 +112,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    with prompt_exit.exit_code_recorded():  # then end without the interpreter's 1.5 s teardown
+        main()

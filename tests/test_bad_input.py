@@ -171,9 +171,12 @@ def test_non_writable_output_dir(tmp_path):
         ),
         (["model=toy"], "use data=toy"),
         (["data=toy"], "use model=toy"),
+        (["trainer.max_epochs=x"], "must be a whole number"),  # Lightning: a bare assert in the fit loop
+        (["trainer.num_nodes=two"], "must be a whole number"),
+        (["++trainer.limit_train_batches=all"], "must be a number"),
     ],
 )
-def test_impossible_combinations(make_cfg, overrides, message, monkeypatch):
+def test_impossible_combinations(make_cfg, overrides, message, monkeypatch, capsys):
     from src.train import train
 
     monkeypatch.setattr(
@@ -184,6 +187,7 @@ def test_impossible_combinations(make_cfg, overrides, message, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         train(make_cfg("train", overrides))
     assert exc.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.fast

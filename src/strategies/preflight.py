@@ -94,8 +94,26 @@ def _runs_on_cpu(accelerator: str, gpus: int) -> bool:
     return accelerator == "auto" and gpus == 0 and not torch.backends.mps.is_available()
 
 
+# Trainer options that must be numbers: Lightning takes a string and fails much later with a bare assert
+_WHOLE_NUMBERS = ("max_epochs", "min_epochs", "max_steps", "min_steps", "num_nodes", "accumulate_grad_batches",
+                  "check_val_every_n_epoch", "log_every_n_steps", "num_sanity_val_steps")
+_NUMBERS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+            "val_check_interval", "gradient_clip_val", "overfit_batches")
+
+
+def check_trainer_numbers(trainer_cfg: DictConfig) -> None:
+    """``trainer.max_epochs=x`` and the like: one line, before Lightning's assert deep in the fit loop."""
+    for keys, kinds, what, example in ((_WHOLE_NUMBERS, int, "a whole number", "3"),
+                                       (_NUMBERS, int | float, "a number (a count, or a fraction of 1.0)", "0.5")):
+        for key in keys:
+            value = trainer_cfg.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+                raise ConfigError(f"trainer.{key}={value!r} must be {what}; fix: e.g. trainer.{key}={example}")
+
+
 def check_trainer_config(trainer_cfg: DictConfig) -> None:
     """One clear error for each combination that would otherwise fail late, hang, or crash a child rank."""
+    check_trainer_numbers(trainer_cfg)
     accelerator = str(trainer_cfg.get("accelerator", "auto"))
     devices = trainer_cfg.get("devices", 1)
     if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
