@@ -501,9 +501,11 @@ def test_benchmark_script_runs(tmp_path):
     from scripts.bench.pipeline_worker import markdown, run
 
     result = run(out=tmp_path, width=32, depth=2, batch=16, steps=1, warmup=1, rounds=1, micro_batches=(1, 2))
-    assert [r["m"] for r in result["rows"]] == [1, 2] and result["rows"][1]["ideal"] == pytest.approx(4 / 3)
+    # 1F1B needs m >= p = 2: no 1F1B row for m = 1
+    assert [(r["schedule"], r["m"]) for r in result["rows"]] == [("GPipe", 1), ("GPipe", 2), ("1F1B", 2)]
+    assert result["rows"][1]["ideal"] == pytest.approx(4 / 3)
     assert all(r["samples_per_s"] > 0 for r in result["rows"])
-    assert "| 2 |" in markdown(result) and (tmp_path / "results.json").is_file()
+    assert "| 1F1B | 2 |" in markdown(result) and (tmp_path / "results.json").is_file()
 
 
 @pytest.mark.fast

@@ -5,8 +5,9 @@
 For ``p`` stages and ``m`` micro-batches a pipeline is busy ``m`` of every ``m + p - 1`` slots
 (the GPipe/1F1B bubble is ``(p - 1) / (m + p - 1)``), so its ideal speedup over one device is
 ``p * m / (m + p - 1)``. This script measures the real speedup of the project's pipeline step
-(:class:`~src.strategies.pipeline.runner.PipelineRunner`: schedule forward+backward, output
-broadcast, then each stage's optimizer step) over the same model unsplit in one process.
+(:class:`~src.strategies.pipeline.runner.PipelineRunner`, as ``trainer=pipeline`` builds it: schedule
+forward+backward, output broadcast, then each stage's optimizer step) over the same model unsplit
+in one process, for each schedule (GPipe, and 1F1B, ``trainer=pipeline``'s default, where ``m >= p``).
 
 Fairness:
 
@@ -14,8 +15,8 @@ Fairness:
   pipeline one core per stage (this machine has 2 cores: p = 2);
 * same model (identical weights), same global batch, same loss and optimizer (SGD), same
   number of steps;
-* contenders alternate side by side in one run (unsplit, m=1, m=2, ... then again), each round
-  timed between barriers; warm-up steps are excluded; the median round counts;
+* contenders alternate side by side in one run (unsplit, GPipe m=1, m=2, ..., 1F1B m=2, ... then
+  again), each round timed between barriers; warm-up steps are excluded; the median round counts;
 * a calibration measures how much parallel compute the processes actually get (the same matmuls
   on one process alone vs on all at once): on a machine whose "cores" are shared (VM vCPUs on
   one physical core, other jobs running) no pipeline can reach the ideal, and the table says so
@@ -55,7 +56,7 @@ from src.strategies.ports import find_free_port  # noqa: E402
 
 DEFAULTS: dict[str, Any] = dict(
     micro_batches=(1, 2, 4, 8), stages=2, width=1024, depth=8, batch=1024, steps=3, warmup=1, rounds=3,
-    schedule="GPipe", lr=0.01, seed=0,
+    schedules=("GPipe", "1F1B"), lr=0.01, seed=0,
 )
 
 
@@ -111,8 +112,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
         stage = nn.Sequential(OrderedDict((b, getattr(net, b)) for b in plan[rank].blocks))
         mesh = build_mesh("cpu", Layout(pp=world, dp=1))
         opt = torch.optim.SGD(stage.parameters(), lr=cfg["lr"])
-        runners = {m: PipelineRunner([(rank, stage)], world, mesh, torch.device("cpu"), cfg["schedule"], m,
-                                     F.cross_entropy) for m in cfg["micro_batches"]}
+        runners = {(name, m): PipelineRunner([(rank, stage)], world, mesh, torch.device("cpu"), name, m,
+                                             F.cross_entropy) for name, m in _pipelines(cfg)}
 
         def unsplit_step() -> None:
             if reference is not None:  # the other ranks wait at the barrier
@@ -120,10 +121,10 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
                 F.cross_entropy(reference(x), y).backward()
                 ref_opt.step()
 
-        def pipeline_step(m: int):
+        def pipeline_step(key: tuple[str, int]):
             def step() -> None:
                 opt.zero_grad(set_to_none=True)
-                runners[m].train_step(x, y)
+                runners[key].train_step(x, y)
                 opt.step()
             return step
 
@@ -140,7 +141,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
             "solo": lambda: matmuls() if rank == 0 else None,
             "together": matmuls,
             "unsplit": unsplit_step,
-            **{m: pipeline_step(m) for m in cfg["micro_batches"]},
+            **{key: pipeline_step(key) for key in runners},
         }
         for step in contenders.values():  # warm-up: allocations, schedule metadata, caches
             _timed(step, cfg["warmup"])
@@ -157,14 +158,21 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
         dist.destroy_process_group()
 
 
+def _pipelines(cfg: dict[str, Any]) -> list[tuple[str, int]]:
+    """The ``(schedule, m)`` contenders: every schedule at every ``m`` it accepts (1F1B needs ``m >= p``)."""
+    return [(name, m) for name in cfg["schedules"] for m in cfg["micro_batches"]
+            if name != "1F1B" or m >= cfg["stages"]]
+
+
 def run(out: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
     """Run the benchmark (see module docstring); returns the results and writes ``results.json`` to ``out``."""
     cfg = {**DEFAULTS, **overrides}
     cfg["micro_batches"] = tuple(int(m) for m in cfg["micro_batches"])
-    cfg["schedule"] = canonical_schedule(cfg["schedule"])
+    cfg["schedules"] = tuple(canonical_schedule(name) for name in cfg["schedules"])
     p = cfg["stages"]
+    for name, m in _pipelines(cfg):
+        check_schedule(name, m, 1, pp=p)
     for m in cfg["micro_batches"]:
-        check_schedule(cfg["schedule"], m, 1, pp=p)
         if cfg["batch"] % m:
             raise ValueError(f"batch={cfg['batch']} must be divisible by every micro-batch count (got m={m})")
     load_before = os.getloadavg()[0]  # other work on the machine skews the result: record it
@@ -188,20 +196,20 @@ def run(out: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any
     base = samples / statistics.median(times["unsplit"])
     capacity = p * statistics.median(times["solo"]) / statistics.median(times["together"])
     rows = []
-    for m in cfg["micro_batches"]:
-        throughput = samples / statistics.median(times[m])
+    for name, m in _pipelines(cfg):
+        throughput = samples / statistics.median(times[(name, m)])
         ideal, attainable = ideal_speedup(p, m), attainable_speedup(p, m, capacity)
-        rows.append(dict(m=m, samples_per_s=throughput, speedup=throughput / base, ideal=ideal,
+        rows.append(dict(schedule=name, m=m, samples_per_s=throughput, speedup=throughput / base, ideal=ideal,
                          efficiency=throughput / base / ideal, bubble=(p - 1) / (m + p - 1),
                          attainable=attainable, efficiency_vs_attainable=throughput / base / attainable))
     result = {
         "benchmark": "pipeline",
-        "config": {**cfg, "micro_batches": list(cfg["micro_batches"])},
+        "config": {**cfg, "micro_batches": list(cfg["micro_batches"]), "schedules": list(cfg["schedules"])},
         "threads_per_process": 1,
         "unsplit_samples_per_s": base,
         "parallel_capacity_cores": capacity,
         "rows": rows,
-        "round_seconds": {str(k): v for k, v in times.items()},
+        "round_seconds": {k if isinstance(k, str) else f"{k[0]} m={k[1]}": v for k, v in times.items()},
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
@@ -216,7 +224,7 @@ def markdown(result: dict[str, Any]) -> str:
     """The results as a Markdown table."""
     cfg = result["config"]
     lines = [
-        f"Pipeline, p = {cfg['stages']} stages ({cfg['schedule']}), wide MLP {cfg['depth']}x{cfg['width']}, "
+        f"Pipeline, p = {cfg['stages']} stages, wide MLP {cfg['depth']}x{cfg['width']}, "
         f"global batch {cfg['batch']}, 1 thread per process; unsplit model on one process: "
         f"{result['unsplit_samples_per_s']:.0f} samples/s (load average before/after: "
         f"{result['load_average_1min']['before']:.1f}/{result['load_average_1min']['after']:.1f} "
@@ -224,11 +232,12 @@ def markdown(result: dict[str, Any]) -> str:
         f"Calibration: {cfg['stages']} processes computing at once got "
         f"{result['parallel_capacity_cores']:.2f} cores' worth of compute (ideal: {cfg['stages']})",
         "",
-        "| m | samples/s | speedup | ideal p·m/(m+p−1) | efficiency | attainable here | efficiency vs attainable |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| schedule | m | samples/s | speedup | ideal p·m/(m+p−1) | efficiency | attainable here "
+        "| efficiency vs attainable |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        lines.append(f"| {r['m']} | {r['samples_per_s']:.0f} | {r['speedup']:.2f} | {r['ideal']:.2f} | "
+        lines.append(f"| {r['schedule']} | {r['m']} | {r['samples_per_s']:.0f} | {r['speedup']:.2f} | {r['ideal']:.2f} | "
                      f"{r['efficiency']:.2f} | {r['attainable']:.2f} | {r['efficiency_vs_attainable']:.2f} |")
     return "\n".join(lines)
 
@@ -239,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=list(DEFAULTS["micro_batches"]))
     for key in ("stages", "width", "depth", "batch", "steps", "warmup", "rounds"):
         parser.add_argument(f"--{key}", type=int, default=DEFAULTS[key])
-    parser.add_argument("--schedule", default=DEFAULTS["schedule"])
+    parser.add_argument("--schedules", nargs="+", default=list(DEFAULTS["schedules"]))
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
     result = run(out=out, **args)

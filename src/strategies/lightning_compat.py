@@ -301,4 +301,23 @@ def bound_forwards(module: nn.Module) -> list[str]:
             if "forward" in m.__dict__ or m.__dict__.get("_compiled_call_impl") is not None]
 
 
+
+# -- pipeline: torch's single-stage schedule internals that the prefetching schedules call --------------
+# src/strategies/pipeline/schedule.py overrides ``_step_microbatches`` of ScheduleGPipe/Schedule1F1B and
+# calls these. Where a torch release lacks one, the pipeline falls back to torch's own classes (slower,
+# same maths) instead of failing, so they are checked per schedule, not at import.
+PIPELINE_SCHEDULE_INTERNALS = ("_step_microbatches", "_check_inputs", "_initialize_stage", "_maybe_compute_loss",
+                               "_maybe_get_loss", "_update_losses", "_stage", "_has_backward", "_n_microbatches",
+                               "_num_stages")
+PIPELINE_STAGE_API = ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops", "get_bwd_send_ops",
+                      "forward_one_chunk", "backward_one_chunk", "perform_reduce_grad")
+
+
+def has_pipeline_internals(schedule: Any) -> bool:
+    """Whether a built single-stage schedule (and its stage class) has every internal the prefetching body uses."""
+    stage_cls = type(getattr(schedule, "_stage", None))
+    return (all(hasattr(schedule, name) for name in PIPELINE_SCHEDULE_INTERNALS)
+            and all(hasattr(stage_cls, name) for name in PIPELINE_STAGE_API))
+
+
 check_private_names()

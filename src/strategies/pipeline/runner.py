@@ -45,6 +45,7 @@ class PipelineRunner:
         schedule: str,
         n_microbatches: int,
         criterion: Callable[[Tensor, Tensor], Tensor],
+        prefetch: bool = True,
     ) -> None:
         self.modules = list(modules)
         self.num_stages = num_stages
@@ -53,6 +54,7 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.n_microbatches = n_microbatches
         self.criterion = criterion
+        self.prefetch = prefetch  # receives posted up front (see .schedule)
         self._schedules: dict[tuple, object] = {}
         self._out_shape: tuple[int, ...] | None = None  # per-sample output shape, learnt at the first step
 
@@ -71,7 +73,7 @@ class PipelineRunner:
             loss_fn = self.criterion if training else None
             self._schedules[key] = build_schedule(
                 self.schedule_name, self.modules, self.num_stages, self.device, self.mesh.pp_group,
-                self.n_microbatches, loss_fn,
+                self.n_microbatches, loss_fn, self.prefetch,
             )
         return self._schedules[key]
 
