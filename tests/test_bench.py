@@ -212,3 +212,143 @@ def test_timeline_waits_for_the_gpu_only_at_span_ends(monkeypatch, tmp_path):
                 timeline.step_end(8, last=step == 2)
         # each epoch's start, the run's first step (time to first step) and each epoch's last step
         assert synced == ([(0, None), (1, 0), (1, 2), (1, 3), (2, 2)] if cuda else []), synced
+
+
+# -- plain contenders' IDX reader, kernel-side measurements, same-round headlines -------------------
+@pytest.mark.fast
+def test_idx_reader_matches_torchvision_on_the_real_files():
+    from torchvision.datasets.mnist import read_image_file, read_label_file
+
+    from scripts.bench.data_pipeline import ensure_data
+    from scripts.bench.plain_loop import read_idx
+
+    ensure_data()  # extracts Fashion-MNIST into data/ as the bench does
+    raw = ROOT / "data" / "FashionMNIST" / "raw"
+    for split in ("train", "t10k"):
+        images, labels = raw / f"{split}-images-idx3-ubyte", raw / f"{split}-labels-idx1-ubyte"
+        ours, theirs = read_idx(images), read_image_file(str(images))
+        assert ours.dtype == theirs.dtype == torch.uint8 and torch.equal(ours, theirs)
+        assert torch.equal(read_idx(labels).long(), read_label_file(str(labels)))
+
+
+@pytest.mark.fast
+def test_idx_reader_big_endian_types_and_bad_files(tmp_path):
+    import numpy as np
+    from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
+
+    from scripts.bench.plain_loop import read_idx
+
+    values = np.array([[1, -2, 300], [70000, 0, -5]], dtype=">i4")
+    path = tmp_path / "int32-idx2"
+    path.write_bytes(bytes([0, 0, 0x0C, 2]) + np.array([2, 3], ">i4").tobytes() + values.tobytes())
+    assert torch.equal(read_idx(path), read_sn3_pascalvincent_tensor(str(path), strict=False))
+    assert read_idx(path).tolist() == values.tolist()
+    for bad in (b"\x01\x00\x08\x01", bytes([0, 0, 8, 1]) + np.array([5], ">i4").tobytes() + b"abc"):
+        path.write_bytes(bad)
+        with pytest.raises(ValueError):
+            read_idx(path)
+
+
+@pytest.mark.fast
+def test_plain_loop_does_not_import_torchvision():
+    code = "import sys, scripts.bench.plain_loop; print(any(m.startswith('torchvision') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _measure(tmp_path, code: str, tty: bool = False):
+    from scripts.bench import contenders, measure
+
+    return measure.run("probe", [sys.executable, "-c", code], tmp_path / "timeline", tmp_path / "probe.log",
+                       contenders.env(1), ROOT, world_size=0, tty=tty)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("tty", [False, True])
+def test_peak_rss_is_the_kernels_whole_process_high_water_mark(tmp_path, tty):
+    from scripts.bench import measure
+
+    # 200 MiB touched in an exit handler: after any reading a timeline could take at exit.
+    run = _measure(tmp_path, "import atexit; atexit.register(lambda: len(b'x' * (200 * 2**20)))", tty)
+    assert run.returncode == 0, run.error()
+    assert measure.peak_rss_mb(run) == run.max_rss_mb >= 200
+    # wait4: the max over the process and the children it waited for.
+    run = _measure(tmp_path, "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                             "'len(bytes(1) * (300 * 2**20))'], check=True)")
+    assert run.returncode == 0 and run.max_rss_mb >= 300, run.error()
+
+
+@pytest.mark.fast
+def test_peak_rss_does_not_inherit_the_harness_memory(tmp_path):
+    # ru_maxrss survives execve and a fork starts from the parent's RSS: the launcher keeps ours out.
+    ballast = b"x" * (400 * 2**20)
+    run = _measure(tmp_path, "import sys; sys.exit(3)")
+    assert len(ballast) and run.returncode == 3 and run.max_rss_mb < 200, run.max_rss_mb
+
+
+GRANDCHILD = """
+import subprocess, sys
+burn = "import time; data = b'x' * (100 * 2**20)\\nwhile time.process_time() < 1.0: pass"
+subprocess.Popen([sys.executable, '-c', burn])  # never waited for: outlives this process
+"""
+
+
+@pytest.mark.fast
+def test_session_cpu_counts_a_grandchild_nobody_waits_for(tmp_path):
+    run = _measure(tmp_path, GRANDCHILD)
+    assert run.returncode == 0, run.error()
+    others = {pid: p for pid, p in run.processes.items() if pid != run.pid}
+    assert len(others) == 1, run.processes
+    (grandchild,) = others.values()
+    assert grandchild["cpu_s"] >= 0.6 and grandchild["hwm_mb"] >= 100, grandchild
+    assert run.cpu_s >= grandchild["cpu_s"]
+    # wait4's rusage alone would have missed it (the child itself may exit before the first poll).
+    assert run.processes.get(run.pid, {}).get("cpu_s", 0.0) < 0.6
+    assert not [pid for pid in others if _running(pid)]  # the harness waited for the whole session
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def _timeline_run(tmp_path, timelines, pid=100, max_rss_mb=500.0, processes=None):
+    from scripts.bench import measure
+
+    return measure.Run("r", [], 0.0, 10.0, 0, tmp_path / "log", timelines, pid=pid, max_rss_mb=max_rss_mb,
+                       processes=processes or {})
+
+
+def _epoch(start, steps, samples, end=None):
+    return {"start": start, "steps": steps, "samples": samples, **({"end": end} if end is not None else {})}
+
+
+@pytest.mark.fast
+def test_whole_epochs_include_validation_and_checkpoint_time(tmp_path):
+    from scripts.bench import measure
+
+    # Epochs: training 0-2 s then validation/checkpoint to 3 s; the last ends at its end stamp.
+    rank0 = {"pid": 100, "epochs": [_epoch(0, [2], 64), _epoch(3, [5], 64), _epoch(6, [8], 64, end=9)]}
+    rank1 = {"pid": 101, "epochs": [_epoch(0, [2], 64), _epoch(3, [5.5], 64), _epoch(6, [8], 64, end=9.5)]}
+    run = _timeline_run(tmp_path, [rank0, rank1], processes={101: {"hwm_mb": 321.0, "cpu_s": 1.0, "ppid": 100}})
+    assert measure.epoch_throughput(run) == pytest.approx(4 * 64 / 6.5)  # the slowest rank: 3 -> 9.5
+    assert measure.loop_throughput(run) == pytest.approx(4 * 64 / (2.5 + 2))  # to each epoch's last step
+    assert measure.epoch_wall_s(run) == pytest.approx(6.5 / 2)
+    assert measure.rank_peak_rss_mb(run) == [500.0, 321.0]  # wait4 for the launched rank, VmHWM for the other
+    del rank0["epochs"][-1]["end"]
+    assert measure.epoch_throughput(run) is None  # no end stamp: not a whole epoch
+
+
+@pytest.mark.fast
+def test_headlines_are_medians_of_same_round_ratios():
+    from scripts.bench.context import difference, headline, same_round
+
+    project, plain = [90.0, 100.0, 50.0], [100.0, 100.0, 60.0]  # round 3 disturbed for both
+    ratios = same_round(project, plain)
+    assert ratios == pytest.approx([0.9, 1.0, 50 / 60])
+    assert headline(ratios) == "0.900x (0.833-1.000x)"  # not best/best = 100/100
+    assert headline(same_round([3.0, None], [1.0, 2.0], difference), "{:+.2f}", " s") == "+2.00 s (1 round)"
+    assert headline(same_round([1.0, 4.0], [2.0, 2.0], difference), "{:+.2f}", " s") == "+0.50 s (-1.00 to +2.00 s)"
+    assert headline([None]) == "-"

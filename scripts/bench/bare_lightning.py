@@ -3,8 +3,9 @@
     python -m scripts.bench.bare_lightning --epochs 3
     python -m scripts.bench.bare_lightning --accelerator gpu --precision bf16-mixed
 
-Same data, split, model, optimizer, batches and tensor-side metric sums as ``plain_loop``, run by
-``Trainer(barebones=True)``: no logger, progress bar, checkpointing, callbacks or ``self.log``. What
+Same data, split, model, optimizer, batches, tensor-side metric sums and per-epoch ``torch.save``
+checkpoint as ``plain_loop``, run by ``Trainer(barebones=True)``: no logger, progress bar, checkpoint
+callback, callbacks or ``self.log``. What
 it loses against the plain loop is Lightning's per-step machinery (hook dispatch, the optimizer
 closure, batch transfer, progress counters), which no template built on Lightning can remove; what
 the project loses against it is what the template adds.
@@ -17,6 +18,7 @@ is then a no-op) and both do the same data work.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -26,10 +28,12 @@ from torch import Tensor
 from scripts.bench.paired_step import PairedPlainStep
 from scripts.bench.plain_loop import (
     build_mlp,
+    checkpoint_file,
     device_arguments,
     in_memory_batches,
     load_split,
     refuse_unavailable,
+    save_checkpoint,
     torch_device,
     train_val_split,
     work_arguments,
@@ -52,9 +56,9 @@ class Batches:
 
 
 class BareModule(L.LightningModule):
-    def __init__(self, lr: float, timeline: Timeline | None) -> None:
+    def __init__(self, lr: float, timeline: Timeline | None, checkpoint: Path) -> None:
         super().__init__()
-        self.net, self.lr, self.timeline = build_mlp(), lr, timeline
+        self.net, self.lr, self.timeline, self.checkpoint = build_mlp(), lr, timeline, checkpoint
         self.sums: dict[str, Tensor] = {}
 
     def setup(self, stage: str) -> None:
@@ -94,6 +98,11 @@ class BareModule(L.LightningModule):
         if self.timeline:
             self.timeline.step_end(len(batch[1]), last=batch_idx + 1 == self.trainer.num_training_batches)
 
+    def on_train_epoch_end(self) -> None:  # after validation, as in the plain loop
+        save_checkpoint(self.checkpoint, self.current_epoch, self.net, self.trainer.optimizers[0])
+        if self.timeline:
+            self.timeline.epoch_end()
+
     def on_validation_epoch_start(self) -> None:
         self.sums.pop("val", None)
 
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":  # the whole uint8 data set on the device, as the plain loop holds it
         x_train, y_train, x_val, y_val, x_test, y_test = (
             t.to(device) for t in (x_train, y_train, x_val, y_val, x_test, y_test))
-    module = BareModule(args.lr, timeline)
+    module = BareModule(args.lr, timeline, checkpoint_file(args, "bare_lightning"))
     callbacks = [PairedPlainStep(args.paired, args.data_dir, args.lr, args.seed)] if args.paired else []
     trainer = L.Trainer(barebones=True, accelerator=args.accelerator, devices=1, precision=args.precision,
                         max_epochs=args.epochs, limit_train_batches=args.limit_train_batches or 1.0,

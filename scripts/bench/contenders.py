@@ -66,19 +66,25 @@ def project_ddp(work: Work, prefix: Path, run_dir: Path, nproc: int) -> list[str
     return project(work, prefix, run_dir, "trainer=ddp", f"trainer.devices={nproc}")
 
 
-def plain(work: Work, prefix: Path, data: str = "in_memory", workers: int = 0) -> list[str]:
-    """The plain PyTorch loop (``data="per_sample"``: torchvision's per-sample pipeline)."""
+def plain(work: Work, prefix: Path, data: str = "in_memory", workers: int = 0, run_dir: Path | None = None) -> list[str]:
+    """The plain PyTorch loop (``data="per_sample"``: torchvision's per-sample pipeline); checkpoints in ``run_dir``."""
     return [sys.executable, "-m", "scripts.bench.plain_loop", "--epochs", str(work.epochs),
             "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),
-            "--data", data, "--workers", str(workers), "--timeline", str(prefix), *device_options(work)]
+            "--data", data, "--workers", str(workers), "--timeline", str(prefix), *checkpoint_option(prefix, run_dir),
+            *device_options(work)]
 
 
-def bare_lightning(work: Work, prefix: Path, paired: bool = False) -> list[str]:
+def bare_lightning(work: Work, prefix: Path, paired: bool = False, run_dir: Path | None = None) -> list[str]:
     """The plain loop's work in a minimal LightningModule under ``Trainer(barebones=True)``."""
     return [sys.executable, "-m", "scripts.bench.bare_lightning", "--epochs", str(work.epochs),
             "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),
             "--timeline", str(prefix), *(["--paired", str(paired_path(prefix))] if paired else []),
-            *device_options(work)]
+            *checkpoint_option(prefix, run_dir), *device_options(work)]
+
+
+def checkpoint_option(prefix: Path, run_dir: Path | None) -> list[str]:
+    """Where a plain script saves its per-epoch checkpoint: ``<run_dir>/last.pt`` (default next to the timeline)."""
+    return ["--checkpoint", str(Path(run_dir) / "last.pt" if run_dir else Path(f"{prefix}.last.pt"))]
 
 
 def device_options(work: Work) -> list[str]:
@@ -97,10 +103,10 @@ def paired_path(prefix: Path) -> Path:
     return Path(f"{prefix}.paired.json")
 
 
-def plain_ddp(work: Work, prefix: Path, nproc: int) -> list[str]:
+def plain_ddp(work: Work, prefix: Path, nproc: int, run_dir: Path | None = None) -> list[str]:
     """The plain torch DDP script: CPU ranks on gloo only (its ``work`` must be on the CPU, in fp32)."""
     if (work.accelerator, work.precision) != ("cpu", "32-true"):
         raise ValueError(f"plain_ddp runs on the CPU in 32-true only, not {work.accelerator}/{work.precision}")
     return [sys.executable, "-m", "scripts.bench.plain_ddp", "--nproc", str(nproc), "--epochs", str(work.epochs),
             "--batch-size", str(work.global_batch), "--limit-train-batches", str(work.limit_train_batches),
-            "--threads", "0", "--timeline", str(prefix)]
+            "--threads", "0", "--timeline", str(prefix), *checkpoint_option(prefix, run_dir)]

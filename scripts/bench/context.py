@@ -92,8 +92,9 @@ class Bench:
     def noise_note(self, runs: list[measure.Run]) -> str:
         """How busy the machine was with other processes during ``runs`` (the harness cannot control that)."""
         loads = [r.other_load for r in runs]
-        return (f"Other processes used {min(loads):.2f}-{max(loads):.2f} cores during these runs "
-                "(0 on an idle machine; noise only slows a run down, so the best round is the least disturbed).")
+        return (f"Other processes used {min(loads):.2f}-{max(loads):.2f} cores during these runs (0 on an idle "
+                "machine; the CPU time of every process of a contender's session, its own ranks and workers, "
+                "is not counted as other load).")
 
 
 def per_round(runs: list[measure.Run], fn) -> list:
@@ -101,14 +102,29 @@ def per_round(runs: list[measure.Run], fn) -> list:
     return [fn(run) if run.ok else None for run in runs]
 
 
-def best(values, higher: bool = True) -> float | None:
-    """The least-disturbed round: the largest rate or (``higher=False``) the shortest time."""
-    values = [v for v in values if v is not None]
-    return (max(values) if higher else min(values)) if values else None
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
+
+
+def difference(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
+
+
+def same_round(a: list, b: list, fn=ratio) -> list:
+    """``fn(a[r], b[r])`` per round: two contenders measured in the same round, one value per round."""
+    return [fn(x, y) for x, y in zip(a, b, strict=True)]
+
+
+def headline(values, spec: str = "{:.3f}", unit: str = "x") -> str:
+    """A headline: the median of per-round values with their min-max range, e.g. ``0.981x (0.950-1.010x)``."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mid = (spec + unit).format(statistics.median(values))
+    if len(values) == 1:
+        return f"{mid} (1 round)"
+    sep = " to " if min(values) < 0 or "+" in spec else "-"
+    return f"{mid} ({spec.format(min(values))}{sep}{(spec + unit).format(max(values))})"
 
 
 def show(x: float | None, spec: str = "{:.3f}") -> str:

@@ -5,8 +5,10 @@
 
 ``setup`` joins a gloo process group, a ``DistributedSampler`` shards the same 55,000 training
 samples the project uses (global batch 128 split over the ranks), the model is wrapped in
-``DistributedDataParallel``, and validation/test sums are all-reduced so every rank reports the
-exact whole-set values. Batches are gathered from in-memory tensors with the sampler's indices.
+``DistributedDataParallel``; after every epoch each rank validates its shard of the validation set
+(the sums are all-reduced, so every rank has the exact whole-set values, as Lightning's DDP has) and
+rank 0 saves a checkpoint (model and optimizer state, ``torch.save``); a sharded test pass ends the
+run. Batches are ``index_select`` on in-memory tensors with the sampler's indices.
 """
 
 from __future__ import annotations
@@ -20,9 +22,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DistributedSampler
+from torch.utils.data import DistributedSampler
 
-from scripts.bench.plain_loop import build_mlp, load_split, normalize, train_val_split, work_arguments
+from scripts.bench.plain_loop import (
+    build_mlp,
+    checkpoint_file,
+    load_split,
+    normalize,
+    save_checkpoint,
+    train_val_split,
+    work_arguments,
+)
 from scripts.bench.timeline import Timeline, rank_path
 from src.strategies.ports import find_free_port
 
@@ -46,9 +56,9 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
     for start in range(0, len(shard), batch):
         idx = shard[start:start + batch]
-        out = model.module(normalize(x[idx]))
-        sums += torch.stack([F.cross_entropy(out, y[idx], reduction="sum").double(),
-                             (out.argmax(1) == y[idx]).sum().double(), torch.tensor(len(idx), dtype=torch.float64)])
+        out, yb = model.module(normalize(x.index_select(0, idx))), y.index_select(0, idx)
+        sums += torch.stack([F.cross_entropy(out, yb, reduction="sum").double(),
+                             (out.argmax(1) == yb).sum().double(), torch.tensor(len(idx), dtype=torch.float64)])
     model.train()
     dist.all_reduce(sums)
     return float(sums[0] / sums[2]), float(sums[1] / sums[2])
@@ -67,16 +77,20 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
     model = DDP(build_mlp())
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    checkpoint = checkpoint_file(args, "plain_ddp")
     sampler = DistributedSampler(range(len(x_train)), num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         if timeline:
             timeline.epoch_start()
         start = time.perf_counter()
-        for step, idx in enumerate(BatchSampler(sampler, per_rank, drop_last=True)):
-            if args.limit_train_batches and step == args.limit_train_batches:
-                break
-            xb, yb = normalize(x_train[idx]), y_train[idx]
+        order = torch.tensor(list(sampler))  # this rank's shuffled shard, once per epoch
+        steps = len(order) // per_rank  # the last incomplete batch dropped
+        if args.limit_train_batches:
+            steps = min(steps, args.limit_train_batches)
+        for step in range(steps):
+            idx = order[step * per_rank:(step + 1) * per_rank]
+            xb, yb = normalize(x_train.index_select(0, idx)), y_train.index_select(0, idx)
             loss = F.cross_entropy(model(xb), yb)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -85,8 +99,13 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
                 timeline.step_end(len(yb))
         seconds = time.perf_counter() - start
         val_loss, val_acc = evaluate(model, x_val, y_val, per_rank)
+        if rank == 0:  # the others go on: the next step's all-reduce waits for rank 0
+            save_checkpoint(checkpoint, epoch, model.module, optimizer)
+        if timeline:
+            timeline.epoch_end()
         if rank == 0:
-            print(f"epoch {epoch}: {seconds:.2f} s  val/loss={val_loss:.4f}  val/acc={val_acc:.4f}", flush=True)
+            print(f"epoch {epoch}: training {seconds:.2f} s, with validation and checkpoint "
+                  f"{time.perf_counter() - start:.2f} s  val/loss={val_loss:.4f}  val/acc={val_acc:.4f}", flush=True)
     test_loss, test_acc = evaluate(model, x_test, y_test, per_rank)
     if rank == 0:
         print(f"test/loss={test_loss:.4f}  test/acc={test_acc:.4f}", flush=True)

@@ -18,22 +18,25 @@ def _plt():
     return plt
 
 
-def bar_chart(path: Path, values: dict[str, float], xlabel: str, title: str, reference: str | None = None) -> Path:
-    """Horizontal bars, one per contender; with ``reference``, each bar is labelled with its ratio to it."""
+def bar_chart(path: Path, values: dict[str, float], xlabel: str, title: str,
+              labels: dict[str, str] | None = None) -> Path:
+    """Horizontal bars, one per contender, each labelled with its value and ``labels[name]`` (e.g. a ratio).
+
+    Ratios go in as labels, computed by the suite (medians of same-round ratios), not from the bars.
+    """
     plt = _plt()
     names = list(values)
     fig, ax = plt.subplots(figsize=(8, 0.55 * len(names) + 1.4))
     bars = ax.barh(names, [values[n] for n in names], color="#4c72b0")
-    ref = values.get(reference) if reference else None
     for bar, name in zip(bars, names, strict=True):
         label = f"{values[name]:,.0f}" if values[name] >= 100 else f"{values[name]:.2f}"
-        if ref:
-            label += f"  ({values[name] / ref:.2f}x)"
+        if labels and labels.get(name):
+            label += f"  ({labels[name]})"
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + label, va="center", fontsize=9)
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
     ax.set_title(title)
-    ax.set_xlim(0, max(values.values() or [1]) * 1.35)
+    ax.set_xlim(0, max(values.values() or [1]) * 1.6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -12,7 +12,11 @@ from scripts.bench.timeline import Timeline, rank_path
 
 
 class StepTimer(Callback):
-    """Stamps each training epoch start and batch end into a :class:`Timeline` (one file per rank)."""
+    """Stamps each training epoch start and batch end, and the end of training, into a :class:`Timeline`.
+
+    One file per rank. The end stamp closes the last epoch (validation and its checkpoint included):
+    Lightning calls checkpoint callbacks last, so ``last.ckpt``'s extra save at ``on_train_end`` is not in it.
+    """
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -28,6 +32,9 @@ class StepTimer(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self.timeline.step_end(len(batch[-1]), last=batch_idx + 1 == trainer.num_training_batches)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.timeline.epoch_end()
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.timeline.meta["test_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()

@@ -1,13 +1,15 @@
-"""Per-process record of one training run: when each epoch and step ended, threads and peak memory.
+"""Per-process record of one training run: when each epoch started and ended and when each step ended.
 
 Every contender (the project through :class:`scripts.bench.step_timer.StepTimer`, the plain scripts
 directly) writes the same record, so the harness measures the same span for all of them. Stamps are
 ``time.perf_counter()`` except ``first_step_unix`` (``time.time()``), which the harness compares with
-its own launch time to get the start-up cost. The file is written at interpreter exit, so the peak
-RSS covers the whole run (fit and test).
+its own launch time to get the start-up cost. A whole epoch runs from its start to the next epoch's
+start (the last one: to its ``end`` stamp), so it holds validation and the checkpoint save. Peak
+memory is not recorded here: the harness takes it from the kernel (``wait4``, ``/proc``), which
+also covers what happens after this file is written at interpreter exit.
 
 On a GPU (``cuda=True``) the work a stamp closes may still be queued on the device, so the stamps that
-bound a measured span (each epoch's start, its last step's end, the first step) wait for it with
+bound a measured span (each epoch's start and end, its last step's end, the first step) wait for it with
 ``torch.cuda.synchronize()``; the other steps are stamped without waiting, so the host keeps running
 ahead of the device as it does in an unmeasured run.
 """
@@ -17,20 +19,13 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident set size in MiB (Linux reports ``ru_maxrss`` in KiB)."""
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib / 1024 if sys.platform != "darwin" else kib / 2**20
-
-
 class Timeline:
-    """Collects epoch starts and step ends; ``dump`` (also run at exit) writes them as JSON to ``path``."""
+    """Collects epoch starts and ends and step ends; ``dump`` (also run at exit) writes them as JSON to ``path``."""
 
     def __init__(self, path: str | os.PathLike, rank: int = 0, cuda: bool = False) -> None:
         self.path = Path(path)
@@ -47,6 +42,12 @@ class Timeline:
         if self.cuda:
             _synchronize()
         self.epochs.append({"start": time.perf_counter(), "steps": [], "samples": 0})
+
+    def epoch_end(self) -> None:
+        """Call when the epoch's work is done (validation, checkpoint); only the last epoch's is needed."""
+        if self.cuda:
+            _synchronize()
+        self.epochs[-1]["end"] = time.perf_counter()
 
     def step_end(self, samples: int, last: bool = False) -> None:
         """Call after the optimizer step of each training batch; ``samples`` this process trained on.
@@ -75,7 +76,6 @@ class Timeline:
             "threads": torch.get_num_threads(),
             "first_step_unix": self.first_step_unix,
             "exit_unix": time.time(),
-            "peak_rss_mb": peak_rss_mb(),
             "epochs": self.epochs,
             **self.meta,
         }

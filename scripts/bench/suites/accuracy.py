@@ -16,7 +16,7 @@ def makers_of(work: contenders.Work) -> dict:
         "project (defaults)": lambda prefix, run_dir: contenders.project(work, prefix, run_dir),
         "project experiment=fashion_mnist_mlp": lambda prefix, run_dir: contenders.project(
             work, prefix, run_dir, "experiment=fashion_mnist_mlp", f"trainer.max_epochs={work.epochs}"),
-        "plain loop": lambda prefix, run_dir: contenders.plain(work, prefix),
+        "plain loop": lambda prefix, run_dir: contenders.plain(work, prefix, run_dir=run_dir),
     }
 
 
