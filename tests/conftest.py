@@ -34,6 +34,22 @@ def make_cfg(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    """``reference_runs(*extra)``: the run dir of one uninterrupted ``TRAIN`` run per ``extra``, shared by the
+    fault tests (they only read its final weights), so each reference trains once per session."""
+    from tests.helpers.training_runs import reference_run
+
+    done: dict[tuple[str, ...], Path] = {}
+
+    def get(*extra: str) -> Path:
+        if extra not in done:
+            done[extra] = reference_run(tmp_path_factory.mktemp("reference"), *extra)
+        return done[extra]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def synthetic_cifar10(tmp_path_factory) -> Path:
     """SYNTHETIC CIFAR-10 files in the real on-disk format, written by the project's script."""
     out = tmp_path_factory.mktemp("cifar")

@@ -21,7 +21,6 @@ import torch
 from tests.helpers.training_runs import (
     differing_weights,
     finish,
-    reference_run,
     run_dirs,
     start,
     wait_for_checkpoint,
@@ -68,10 +67,11 @@ def kill_and_resume(log_dir: Path, extra: list[str], kills: int, seed: int) -> t
 
 
 @pytest.mark.parametrize("extra", [[], ["trainer=ddp", "trainer.devices=2"]], ids=["1-process", "ddp-2-ranks"])
-def test_killed_runs_resume_bit_exact(tmp_path, extra):
-    ref_dir = reference_run(tmp_path / "reference", *extra)
+def test_killed_runs_resume_bit_exact(tmp_path, extra, reference_runs):
+    ref_dir = reference_runs(*extra)
 
-    run_dir, kills = kill_and_resume(tmp_path / "killed", extra, kills=3, seed=len(extra))
+    # one process: three kills (random, mid-save, random); DDP: two (random, mid-save), as its restarts cost more
+    run_dir, kills = kill_and_resume(tmp_path / "killed", extra, kills=2 if extra else 3, seed=len(extra))
     assert kills >= 2, f"only {kills} kills landed while the run was training"
     assert "status: finished" in (run_dir / "status.yaml").read_text()
     differing = differing_weights(ref_dir, run_dir)

@@ -18,7 +18,6 @@ import torch
 from tests.helpers.training_runs import (
     differing_weights,
     finish,
-    reference_run,
     run_dirs,
     start,
     wait_for_checkpoint,
@@ -27,9 +26,9 @@ from tests.helpers.training_runs import (
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 
-@pytest.fixture(scope="module")
-def one_process_reference(tmp_path_factory) -> Path:
-    return reference_run(tmp_path_factory.mktemp("reference"))
+@pytest.fixture
+def one_process_reference(reference_runs) -> Path:
+    return reference_runs()
 
 
 def signal_once_training(proc, log_dir: Path, signum: int, target_pid: int | None = None) -> None:
@@ -58,9 +57,9 @@ def test_sigterm_saves_exits_143_and_the_same_command_resumes_bit_exact(tmp_path
     assert not differing_weights(one_process_reference, run_dir)
 
 
-def test_ddp_sigterm_to_one_rank_stops_both_at_one_batch_and_resumes_bit_exact(tmp_path):
+def test_ddp_sigterm_to_one_rank_stops_both_at_one_batch_and_resumes_bit_exact(tmp_path, reference_runs):
     ddp = ["trainer=ddp", "trainer.devices=2"]
-    reference = reference_run(tmp_path / "reference", *ddp)
+    reference = reference_runs(*ddp)
     log_dir = tmp_path / "preempted"
     proc = start(log_dir, *ddp)
     assert wait_for_checkpoint(proc, log_dir)

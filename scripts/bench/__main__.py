@@ -3,6 +3,7 @@
     python -m scripts.bench                                   # quick settings, every suite
     python -m scripts.bench --suite throughput,ddp --rounds 3
     python -m scripts.bench --full                            # whole epochs, 10-epoch accuracy, 3 rounds
+    python -m scripts.bench --suite compile --epochs 4        # torch.compile: cost, gain per step, break-even
     python -m scripts.bench --suite throughput --accelerator gpu --precision bf16-mixed   # on a CUDA GPU
 
 ``--accelerator``/``--precision`` go to every contender of the throughput, start-up and accuracy
@@ -32,7 +33,8 @@ FULL = dict(rounds=3, epochs=4, limit_train_batches=0, accuracy_epochs=10)
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--suite", default=",".join(suites.NAMES), help=f"comma-separated subset of {','.join(suites.NAMES)}")
+    parser.add_argument("--suite", default=",".join(suites.DEFAULT),
+                        help=f"comma-separated subset of {','.join(suites.NAMES)} (default: all but compile)")
     parser.add_argument("--full", action="store_true", help=f"fuller settings: {FULL}")
     parser.add_argument("--rounds", type=int, help="runs of each contender, alternating")
     parser.add_argument("--epochs", type=int, help="epochs of throughput/DDP runs (the first is warm-up)")

@@ -1,4 +1,4 @@
-"""Named suites: ``--suite throughput,startup,accuracy,ddp,pipeline,collectives``.
+"""Named suites: ``--suite throughput,startup,accuracy,ddp,pipeline,collectives,compile``.
 
 Each module has ``run(bench) -> SuiteResult``; a new comparison plugs in by adding a module and a
 line here.
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-NAMES = ("throughput", "startup", "accuracy", "ddp", "pipeline", "collectives")
+NAMES = ("throughput", "startup", "accuracy", "ddp", "pipeline", "collectives", "compile")
+DEFAULT = NAMES[:-1]  # compile takes minutes of inductor builds: ask for it with --suite compile
 
 
 def load(name: str):
