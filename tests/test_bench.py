@@ -352,3 +352,38 @@ def test_headlines_are_medians_of_same_round_ratios():
     assert headline(same_round([3.0, None], [1.0, 2.0], difference), "{:+.2f}", " s") == "+2.00 s (1 round)"
     assert headline(same_round([1.0, 4.0], [2.0, 2.0], difference), "{:+.2f}", " s") == "+0.50 s (-1.00 to +2.00 s)"
     assert headline([None]) == "-"
+
+
+@pytest.mark.fast
+def test_compile_suite_cost_gain_and_break_even(tmp_path, monkeypatch):
+    """Made-up timelines through the compile suite: cost = first-epoch difference, break-even = cost / gain per epoch."""
+    from scripts.bench import contenders
+    from scripts.bench.context import Bench, Settings
+    from scripts.bench.suites import compile as compile_suite
+
+    batch = contenders.DEFAULT_BATCH
+
+    def timeline(first_epoch_s: float, step_ms: float) -> dict:
+        steps = [first_epoch_s]  # epoch 1: one long step (compilation), then a steady epoch of 10 steps
+        second = [10 + step_ms / 1000 * (i + 1) for i in range(10)]
+        return {"epochs": [_epoch(0, steps, batch), _epoch(10, second, 10 * batch, end=second[-1])]}
+
+    fake = {"eager": (1.0, 5.0), "compiled": (31.0, 4.0)}  # 30 s to compile, then 1 ms faster per step
+
+    def run(self, name, make_cmd, world_size=1, threads=None):
+        kind = name.split("-")[1]
+        return _timeline_run(tmp_path, [timeline(*fake[kind])])
+
+    monkeypatch.setattr(Bench, "run", run)
+    settings = Settings(rounds=2, epochs=2, limit_train_batches=10, accuracy_epochs=1, threads=1, workers=(),
+                        nproc=2, tty=False, full=False)
+    result = compile_suite.run(Bench(tmp_path, settings))
+    assert result.raw["compile_cost_s"] == pytest.approx([30.0, 30.0])
+    assert result.raw["gain_ms_per_step"] == pytest.approx([1.0, 1.0])
+    # 30 s / (1 ms x 429 steps per Fashion-MNIST epoch) = 69.9 epochs
+    assert result.raw["median_break_even_epochs"] == pytest.approx(30.0 / (0.001 * 429))
+
+    fake["compiled"] = (31.0, 6.0)  # slower steps: never breaks even
+    result = compile_suite.run(Bench(tmp_path, settings))
+    assert result.raw["median_break_even_epochs"] is None
+    assert "never breaks even" in " ".join(result.notes)
