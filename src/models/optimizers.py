@@ -52,4 +52,3 @@ def build_optimizer(factory: Callable[..., torch.optim.Optimizer], params: Itera
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` steps with torch's fused kernel."""
     return any(group.get("fused") for group in optimizer.param_groups)
-

@@ -301,7 +301,6 @@ def bound_forwards(module: nn.Module) -> list[str]:
             if "forward" in m.__dict__ or m.__dict__.get("_compiled_call_impl") is not None]
 
 
-
 # -- pipeline: torch's single-stage schedule internals that the prefetching schedules call --------------
 # src/strategies/pipeline/schedule.py overrides ``_step_microbatches`` of ScheduleGPipe/Schedule1F1B and
 # calls these. Where a torch release lacks one, the pipeline falls back to torch's own classes (slower,

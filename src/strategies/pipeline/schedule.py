@@ -15,9 +15,8 @@ per-rank order of forwards and backwards (same arithmetic, same gradients), but 
 step's receives into their per-micro-batch buffers at the start and wait for sends only at the
 end, so activations and gradients move while the stages compute. Gloo only: NCCL runs a
 communicator's point-to-point operations in one stream, in posting order, where receives posted
-ahead of sends would deadlock. They use torch's private schedule helpers; a torch without them
-gets torch's own classes
-(the names are listed in ``src/strategies/lightning_compat.py``).
+ahead of sends would deadlock. They use torch's private schedule helpers (listed in
+``src/strategies/lightning_compat.py``); a torch without them gets torch's own classes.
 """
 
 from __future__ import annotations
