@@ -98,7 +98,7 @@ def _runs_on_cpu(accelerator: str, gpus: int) -> bool:
 _WHOLE_NUMBERS = ("max_epochs", "min_epochs", "max_steps", "min_steps", "num_nodes", "accumulate_grad_batches",
                   "check_val_every_n_epoch", "log_every_n_steps", "num_sanity_val_steps")
 _NUMBERS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
-            "val_check_interval", "gradient_clip_val", "overfit_batches")
+            "gradient_clip_val", "overfit_batches")  # not val_check_interval: it also takes a time ("00:01:00:00")
 
 
 def check_trainer_numbers(trainer_cfg: DictConfig) -> None:
