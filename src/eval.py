@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
-from src.utils import prompt_exit  # noqa: E402
+from src.runtime import prompt_exit  # noqa: E402
 
 if __name__ == "__main__":
     prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
@@ -27,11 +27,12 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from src.strategies.preflight import check_config, preflight  # noqa: E402
+from src.runtime.hydra_launch import isolated_job  # noqa: E402
+from src.strategies.launchers import preflight  # noqa: E402
 from src.utils.checkpoint import check_checkpoint  # noqa: E402
+from src.utils.config_checks import check_config  # noqa: E402
 from src.utils.errors import ConfigError  # noqa: E402
 from src.utils.hydra_errors import hydra_main  # noqa: E402
-from src.utils.hydra_launch import isolated_job  # noqa: E402
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
 from src.utils.logging_utils import log_hyperparameters  # noqa: E402
 from src.utils.pylogger import RankedLogger  # noqa: E402
@@ -83,5 +84,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    with prompt_exit.exit_code_recorded():  # then end without the interpreter's 1.5 s teardown
+    with prompt_exit.exit_code_recorded():  # then end without the interpreter's teardown
         main()

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script without installing the package
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
-from src.utils import prompt_exit  # noqa: E402
+from src.runtime import prompt_exit  # noqa: E402
 
 if __name__ == "__main__":
     prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
@@ -29,10 +29,10 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from src.strategies.preflight import check_config, preflight  # noqa: E402
-from src.utils.checkpoint import check_checkpoint  # noqa: E402
-from src.utils.config_checks import resume_checkpoint  # noqa: E402
-from src.utils.hydra_launch import isolated_job  # noqa: E402
+from src.runtime.hydra_launch import isolated_job  # noqa: E402
+from src.strategies.launchers import preflight  # noqa: E402
+from src.utils.checkpoint import check_checkpoint, resume_checkpoint  # noqa: E402
+from src.utils.config_checks import check_config  # noqa: E402
 from src.utils.instantiators import (  # noqa: E402
     drop_callbacks_needing_a_logger,
     instantiate_callbacks,
@@ -69,7 +69,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     callbacks = drop_callbacks_needing_a_logger(instantiate_callbacks(cfg.get("callbacks")), loggers)
     log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
-    preflight(trainer, model, datamodule)  # before any process is launched (the project's launchers run it too)
+    preflight(trainer, model, datamodule)  # before any rank starts and before the run is recorded as running
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks,
                "logger": loggers, "trainer": trainer}
     log_hyperparameters(objects)  # rank 0, once: config and parameter counts to every logger
@@ -112,5 +112,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    with prompt_exit.exit_code_recorded():  # then end without the interpreter's 1.5 s teardown
+    with prompt_exit.exit_code_recorded():  # then end without the interpreter's teardown
         main()

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from src.models.step_module import StepModule
-from src.strategies.lightning_compat import cheap_cuda_check_without_gpus
 from src.train import train
 from tests.helpers.config import ROOT
 
@@ -31,17 +30,6 @@ def test_logging_metrics_once_per_epoch_gives_the_same_values(make_cfg, monkeypa
     assert {"train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc"} <= set(keys)
     for key in keys:
         assert float(once[key]) == float(every[key]), key
-
-
-@pytest.mark.fast
-def test_runtime_cuda_check_only_without_gpus(monkeypatch):
-    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cheap_cuda_check_without_gpus()
-    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # GPUs: keep Lightning's fork-safe check
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cheap_cuda_check_without_gpus()
-    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "0"
 
 
 @pytest.mark.slow

@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from src.strategies.ports import find_free_port
 from tests.helpers.config import ROOT
 
 TASK = ROOT / "scripts" / "cloud" / "ec2.yaml"
@@ -84,7 +84,7 @@ def test_node_script_trains_two_nodes_over_loopback(tmp_path):
     """node_train.sh, run twice with the variables SkyPilot sets on node 0 and node 1: identical weights."""
     skypilot = {"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
                 "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_TASK_ID": "sky-test_lhd_1",
-                "MASTER_PORT": str(find_free_port()), "PYTHON": sys.executable}
+                "MASTER_PORT": str(find_free_network_port()), "PYTHON": sys.executable}
     logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
     nodes = [subprocess.Popen(["bash", str(ROOT / "scripts/cloud/node_train.sh"), *TINY, *dump_params(tmp_path),
                                f"paths.log_dir={tmp_path}/logs"],
@@ -116,7 +116,7 @@ def test_launch_hosts_two_hosts_over_loopback(tmp_path):
     proc = subprocess.run(
         ["make", "--no-print-directory", "launch-hosts", "HOSTS=127.0.0.1 127.0.0.1", f"SSH={fake_ssh(tmp_path / 'bin')}",
          "SSH_OPTS=", f"REMOTE_DIR={ROOT}", "REMOTE_SETUP=true", f"PYTHON={sys.executable}", "NPROC_PER_NODE=1",
-         f"MASTER_PORT={find_free_port()}", f"ARGS={args}"],
+         f"MASTER_PORT={find_free_network_port()}", f"ARGS={args}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "[node 0] node 0/2" in proc.stdout and "[node 1] node 1/2" in proc.stdout

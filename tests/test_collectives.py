@@ -19,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -52,7 +53,6 @@ from src.collectives.suite import (
 )
 from src.collectives.sync_sgd import DataPartitioner, partition_dataset
 from src.strategies.ddp import DDPStrategy
-from src.strategies.ports import find_free_port
 from src.utils.errors import ConfigError
 from tests.helpers import collectives_workers as workers
 from tests.helpers.multiprocess import run_workers
@@ -351,7 +351,7 @@ def test_entry_point_bad_option_is_one_line(tmp_path):
 @requires_nccl
 @requires_2_gpus
 def test_suite_on_nccl():
-    for per_rank in run_workers(workers.nccl_suite, 2, find_free_port()):
+    for per_rank in run_workers(workers.nccl_suite, 2, find_free_network_port()):
         assert ("ring", "True", "") in per_rank
         assert all(status != FAILED for _, status, _ in per_rank), per_rank
 

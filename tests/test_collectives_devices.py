@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from src.collectives import launch, runtime
 from src.collectives.benchmark import MEMCPY, BenchRow
 from src.collectives.report import bench_table, memcpy_label
-from src.strategies.ports import find_free_port
 from tests.helpers import collectives_workers as workers
 from tests.helpers.multiprocess import run_workers
 from tests.helpers.run_if import requires_2_gpus, requires_nccl
@@ -196,7 +196,7 @@ def test_modes_on_nccl_ranks(mode, args, nproc, tmp_path):
 @requires_2_gpus
 def test_isend_irecv_and_pipelined_ring_on_two_nccl_ranks():
     """The two call sites that post a receive and a send to the same peer (a hang on nccl when unordered)."""
-    for per_rank in run_workers(workers.nccl_p2p, 2, find_free_port(), timeout=180):
+    for per_rank in run_workers(workers.nccl_p2p, 2, find_free_network_port(), timeout=180):
         assert per_rank["checks"] == [("send_recv", "passed"), ("isend_irecv", "passed"),
                                       ("batch_isend_irecv", "passed")]
         assert per_rank["ring"] == {"pipelined": True, "stepwise": True, "default": True}

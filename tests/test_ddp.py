@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from src.strategies.ports import find_free_port
 from tests.helpers.config import ROOT, compose_cfg
 from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers
@@ -195,7 +195,7 @@ def assert_same_params(states: list[dict]) -> None:
 @pytest.mark.slow
 def test_simulated_two_nodes_over_loopback(tmp_path):
     """Two launches, NODE_RANK 0 and 1, one CPU process each, rendezvous on 127.0.0.1."""
-    port = str(find_free_port())
+    port = str(find_free_network_port())
     envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)} for node in (0, 1)]
     states = launch_ranks(
         envs, lambda node: ["trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2", *TINY_RUN,
@@ -211,7 +211,7 @@ def test_slurm_environment_detected(tmp_path):
     """Two tasks with the variables `srun` sets: Lightning's SLURMEnvironment joins them; one shared run dir."""
     job_id = str(900000 + os.getpid() % 1000)
     common = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": job_id,
-              "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(find_free_port())}
+              "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
     envs = [{**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in (0, 1)]
     states = launch_ranks(envs, lambda r: ["trainer=ddp", "trainer.devices=2", *TINY_RUN,
                                            f"paths.log_dir={tmp_path}/logs"], tmp_path / "params")

@@ -23,8 +23,8 @@ from src.models.components.toy_net import ToyNet
 from src.models.regression_module import RegressionModule
 from src.strategies.dp import DataParallelStrategy
 from src.strategies.dp.shards import ShardRunner
-from src.strategies.lightning_compat import replica_sharing_parameters as shared_replica
 from src.utils.errors import ConfigError
+from src.utils.lightning_compat import replica_sharing_parameters as shared_replica
 from tests.helpers.run_if import requires_2_gpus
 
 

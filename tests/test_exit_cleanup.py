@@ -1,4 +1,4 @@
-"""A rank that returns right after a collective must exit cleanly (src.strategies.exit_cleanup).
+"""A rank that returns right after a collective must exit cleanly (src.runtime.exit_cleanup).
 
 Without the exit handler a gloo rank can die with SIGABRT while Python shuts down: a process
 group's worker thread still releases the last collective's tensors and needs the GIL. The race
@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from src.strategies.ports import find_free_port
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 
@@ -60,4 +59,4 @@ def rank_syncs_then_exits(local_rank: int, port: int, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["ddp", "pipeline"])
 def test_no_gloo_thread_outlives_the_exit_handlers(kind):
     # A rank that dies with a signal raises ProcessExitedException; a failed assert, ProcessRaisedException.
-    mp.start_processes(rank_syncs_then_exits, args=(find_free_port(), kind), nprocs=2, start_method="spawn")
+    mp.start_processes(rank_syncs_then_exits, args=(find_free_network_port(), kind), nprocs=2, start_method="spawn")

@@ -222,7 +222,7 @@ def test_predict_is_refused_before_any_process_starts():
 @pytest.mark.fast
 def test_one_global_batch_rule_for_every_strategy():
     """One function owns the split: replicas x micro-batches for a pipeline, replicas for DDP, >= devices for dp."""
-    from src.strategies.batch import per_replica_batch_size
+    from src.data.components.global_batch import per_replica_batch_size
     from src.strategies.dp import DataParallelStrategy
 
     pipe = Trainer(accelerator="cpu", devices=4, strategy=PipelineStrategy(dp_size=2, n_microbatches=4),
@@ -513,7 +513,7 @@ def test_preflight_applies_the_global_batch_rule_only_to_datamodules_that_say_so
     """A DataModule of your own keeps its own meaning of batch_size (often per device); the project's are global."""
     from lightning import LightningDataModule
 
-    from src.strategies.preflight import preflight
+    from src.strategies.launchers import preflight
 
     class Theirs(LightningDataModule):
         def __init__(self) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from src.strategies.ports import find_free_port
 from src.utils import run_identity
 from src.utils.run_status import FINISHED, write_status
 from tests.helpers.config import ROOT
@@ -109,7 +109,7 @@ def torchrun(log_dir: Path, port: int, *extra: str) -> subprocess.Popen:
 @pytest.mark.slow
 @pytest.mark.faults
 def test_torchrun_restarts_a_killed_rank_and_resumes_bit_exact_and_a_relaunch_on_the_same_port_is_a_new_run(tmp_path):
-    port = find_free_port()
+    port = find_free_network_port()
     reference = torchrun(tmp_path / "reference", port)
     assert finish(reference) == 0, reference.stderr_text[-3000:]
 

@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
+from src.runtime.sigterm import SigtermNote, SigtermSync, install_sigterm_agreement
 from src.strategies.ddp import DDPStrategy
-from src.strategies.ports import find_free_port
-from src.strategies.sigterm import SigtermNote, SigtermSync, install_sigterm_agreement
 from src.utils.errors import ConfigError
 from tests.helpers.config import ROOT
 
@@ -33,7 +33,7 @@ def _wait_for(path, text: str, timeout: float) -> None:
 @pytest.mark.parametrize("every_n", [1, 10])
 def test_sigterm_to_rank_zero_only_stops_both_ranks_at_the_same_step(tmp_path, every_n):
     """Two launches (NODE_RANK 0/1, as on two machines); only node 0 gets SIGTERM, mid-training."""
-    port = str(find_free_port())
+    port = str(find_free_network_port())
     procs, logs = [], [tmp_path / f"node{node}.log" for node in (0, 1)]
     for node in (0, 1):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node),
@@ -41,7 +41,7 @@ def test_sigterm_to_rank_zero_only_stops_both_ranks_at_the_same_step(tmp_path, e
         args = [sys.executable, str(ROOT / "src/train.py"), "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2",
                 "trainer.accelerator=cpu", "trainer.max_epochs=100", "extras.print_config=false",
                 "callbacks.rich_progress_bar=null", "++trainer.limit_val_batches=2",
-                f"sigterm_check_every_n_batches={every_n}", f"hydra.run.dir={tmp_path}/node{node}"]
+                f"trainer.strategy.sigterm_check_every_n_batches={every_n}", f"hydra.run.dir={tmp_path}/node{node}"]
         with open(logs[node], "w") as out:  # the child keeps its own copy of the descriptor
             procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
     try:
@@ -63,7 +63,7 @@ def test_sigterm_to_rank_zero_only_stops_both_ranks_at_the_same_step(tmp_path, e
 @pytest.mark.slow
 def test_plain_trainer_with_the_project_ddp_strategy_stops_both_ranks_at_the_same_step(tmp_path):
     """The same guarantee without Hydra or src/train.py: a user's script builds Trainer(strategy=DDPStrategy())."""
-    port = str(find_free_port())
+    port = str(find_free_network_port())
     script = ROOT / "tests" / "helpers" / "plain_trainer_ddp.py"
     procs, logs = [], [tmp_path / f"node{node}.log" for node in (0, 1)]
     for node in (0, 1):

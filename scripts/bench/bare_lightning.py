@@ -39,7 +39,6 @@ from scripts.bench.plain_loop import (
     work_arguments,
 )
 from scripts.bench.timeline import Timeline, rank_path
-from src.strategies.lightning_compat import cheap_cuda_check_without_gpus
 
 
 class Batches:
@@ -60,9 +59,6 @@ class BareModule(L.LightningModule):
         super().__init__()
         self.net, self.lr, self.timeline, self.checkpoint = build_mlp(), lr, timeline, checkpoint
         self.sums: dict[str, Tensor] = {}
-
-    def setup(self, stage: str) -> None:
-        cheap_cuda_check_without_gpus()  # as the project does: see its docstring
 
     def _accumulate(self, stage: str, out: Tensor, y: Tensor, loss: Tensor) -> None:
         loss_sum, correct, seen = self.sums.get(stage) or (torch.zeros((), dtype=torch.float64, device=y.device),

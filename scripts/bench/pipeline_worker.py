@@ -46,13 +46,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from lightning.fabric.plugins.environments.lightning import find_free_network_port  # noqa: E402
 from torch import nn  # noqa: E402
 
 from src.strategies.pipeline.mesh import Layout, build_mesh  # noqa: E402
 from src.strategies.pipeline.partition import plan_stages  # noqa: E402
 from src.strategies.pipeline.runner import PipelineRunner  # noqa: E402
 from src.strategies.pipeline.schedule import canonical_schedule, check_schedule  # noqa: E402
-from src.strategies.ports import find_free_port  # noqa: E402
 
 DEFAULTS: dict[str, Any] = dict(
     micro_batches=(1, 2, 4, 8), stages=2, width=1024, depth=8, batch=1024, steps=3, warmup=1, rounds=3,
@@ -178,7 +178,7 @@ def run(out: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any
     load_before = os.getloadavg()[0]  # other work on the machine skews the result: record it
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = find_free_port()
+    port = find_free_network_port()
     procs = [ctx.Process(target=_worker, args=(r, p, port, cfg, queue)) for r in range(p)]
     for proc in procs:
         proc.start()

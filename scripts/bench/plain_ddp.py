@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import time
 
 import torch
@@ -34,7 +35,13 @@ from scripts.bench.plain_loop import (
     work_arguments,
 )
 from scripts.bench.timeline import Timeline, rank_path
-from src.strategies.ports import find_free_port
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (a plain script picks its own, without Lightning's helper)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def setup(rank: int, world_size: int, port: int) -> None:
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun / srun
         train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return
-    args.port = args.port or find_free_port()
+    args.port = args.port or free_port()
     mp.spawn(train, args=(args.nproc, args), nprocs=args.nproc, join=True)
 
 

@@ -3,8 +3,7 @@
 Without it, a run resumed from a checkpoint written on the last training batch of an epoch skips
 ``on_train_epoch_start`` for the next epoch. It also saves epoch counters that make a second
 resume repeat an epoch: the final weights then differ from an uninterrupted run's. The fix itself
-is in :func:`src.strategies.lightning_compat.end_restart_on_last_batch`; this callback calls it for
-any strategy.
+is :func:`end_restart_on_last_batch` (public Lightning names only); this callback calls it for any strategy.
 """
 
 from __future__ import annotations
@@ -12,10 +11,27 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from src.strategies.lightning_compat import end_restart_on_last_batch
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
+
+
+def end_restart_on_last_batch(trainer: L.Trainer) -> bool:
+    """Work around a Lightning 2.6 restart bug; True when it applied.
+
+    Resuming from a checkpoint saved in ``on_train_batch_end`` of an epoch's last batch (a periodic
+    or preemption checkpoint), the fit loop's ``reset`` finishes that epoch but keeps its
+    ``restarted_mid_epoch`` stage for the whole next epoch. That epoch is then never counted as
+    started, and ``on_train_epoch_start`` is skipped. A checkpoint taken in that epoch holds
+    counters that a second resume reads as "epoch finished": that epoch runs again. Call this at
+    ``on_train_start``, after ``reset`` and before the next epoch begins. Every name it uses is
+    public.
+    """
+    loop = trainer.fit_loop
+    if loop.restarted_mid_epoch and loop.epoch_loop.batch_progress.is_last_batch:
+        loop.reset_restart_stage()
+        return True
+    return False
 
 
 class EpochRestartFix(Callback):

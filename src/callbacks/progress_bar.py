@@ -12,8 +12,7 @@ class RateLimitedRichProgressBar(RichProgressBar):
     """``RichProgressBar`` whose training bar takes at most ``refresh_rate`` updates per second.
 
     Lightning's bar already redraws only ``refresh_rate`` times a second, but it still updates the
-    task and recomputes the shown metrics on every batch: ~40 us per step, ~1% of a Fashion-MNIST
-    MLP step on 2 CPU cores. Skipped updates lose nothing: each update sets the absolute position,
+    task and recomputes the shown metrics on every batch, which the training step waits for. Skipped updates lose nothing: each update sets the absolute position,
     the epoch's last batch is always shown, and a skipped one is applied before validation starts.
     """
 

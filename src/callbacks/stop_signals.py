@@ -1,7 +1,7 @@
 """One-process runs stop on SIGTERM/SIGUSR1 like multi-process ones: save ``last.ckpt``, exit 128 + signal.
 
 Lightning's own one-process stop raises after the batch with nothing saved and exit code 0. The
-project's multi-process strategies install the agreed stop themselves (:mod:`src.strategies.sigterm`);
+project's multi-process strategies install the agreed stop themselves (:mod:`src.runtime.sigterm`);
 this callback gives single-device trainers the same, checked after every batch (no collective).
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from src.strategies.sigterm import SigtermSync, install_stop_handlers
+from src.runtime.sigterm import SigtermSync, install_stop_handlers
 
 
 class StopSignals(Callback):

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from src.collectives.modes import run_mode, validate_options
 from src.collectives.runtime import cuda_index
+from src.runtime.launch_context import SRUN, SUBMITIT, TORCHRUN, launch_context
 from src.utils.errors import ConfigError
 
 MODES = ("blocking", "non_blocking", "all_reduce", "check", "bench", "ring", "sgd")
@@ -55,20 +56,13 @@ class LaunchPlan:
 
 
 def detect_external() -> ExternalRanks | None:
-    """Rank layout from torchrun (``RANK``/``WORLD_SIZE``), srun (``SLURM_PROCID``/``SLURM_NTASKS`` with more
-    than one task) or Open MPI / PMI; None when this process should spawn the ranks itself."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return ExternalRanks("torchrun", int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return ExternalRanks("srun", int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
-                             int(env.get("SLURM_LOCALID", 0)))
-    if "OMPI_COMM_WORLD_SIZE" in env:
-        return ExternalRanks("mpirun", int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
-                             int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)))
-    if "PMI_SIZE" in env and "PMI_RANK" in env:
-        return ExternalRanks("mpirun", int(env["PMI_RANK"]), int(env["PMI_SIZE"]), 0)
-    return None
+    """Rank layout from torchrun (or ``RANK``/``WORLD_SIZE`` exported by hand), srun with more than one task,
+    or Open MPI / PMI; None when this process should spawn the ranks itself."""
+    ctx = launch_context()
+    if ctx.rank is None or ctx.world_size is None or (ctx.launcher in (SRUN, SUBMITIT) and ctx.world_size < 2):
+        return None
+    launcher = ctx.launcher if ctx.external else TORCHRUN
+    return ExternalRanks(launcher, ctx.rank, ctx.world_size, ctx.local_rank or 0)
 
 
 def resolve_backend(requested: str, world_size: int, spawning: bool) -> str:
@@ -102,7 +96,8 @@ def check_init_method(init_method: str, spawning: bool) -> str:
     """Validate ``env://``, ``tcp://host:port`` or ``file:///path`` for this kind of launch."""
     url = urlparse(str(init_method))
     if url.scheme == "env":
-        if not spawning and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        ctx = launch_context()
+        if not spawning and not (ctx.master_addr and ctx.master_port):
             raise ConfigError("init_method=env:// needs MASTER_ADDR and MASTER_PORT (torchrun sets them, srun "
                               "does not); export them or use init_method=tcp://HOST:PORT")
         return "env://"
@@ -113,7 +108,7 @@ def check_init_method(init_method: str, spawning: bool) -> str:
             port = None
         if not url.hostname or not port:
             raise ConfigError(f"init_method={init_method} needs a host and a port, e.g. tcp://127.0.0.1:29500")
-        from src.strategies.ports import port_in_use  # lazily: the strategies package loads Lightning
+        from src.runtime.rendezvous import port_in_use  # lazily: the strategies package loads Lightning
 
         if spawning and url.hostname in ("127.0.0.1", "localhost") and port_in_use(port, url.hostname):
             raise ConfigError(f"init_method={init_method}: port {port} is already in use; pick another port")
@@ -157,9 +152,9 @@ def launch(plan: LaunchPlan) -> None:
         run_rank(ext.local_rank, plan, ext.rank, ext.world_size)
         return
     if plan.init_method == "env://":  # a fresh port per launch: no clash with a stale or parallel run
-        from src.strategies.ports import find_free_port  # lazily, as above: spawned ranks skip Lightning
+        from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()))
     try:
         mp.spawn(_spawned, args=(plan,), nprocs=plan.world_size, join=True)
     except mp.ProcessRaisedException as err:

@@ -56,11 +56,10 @@ def chunk_bounds(numel: int, parts: int) -> list[int]:
 
 
 def _supports_coalescing(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        return bool(getattr(pg._get_backend(device), "supports_coalescing", False))
-    except (RuntimeError, AttributeError):  # backend not registered for this device type
-        return False
+    # imported here, so ranks that never run the ring skip Lightning's import
+    from src.utils import lightning_compat as compat
+
+    return compat.backend_supports_coalescing(group if group is not None else dist.group.WORLD, device)
 
 
 _WORKSPACE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

@@ -7,7 +7,6 @@ same way, so other backends poll ``Work.is_completed()`` against a deadline inst
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from src.runtime.launch_context import launch_context
 
 T = TypeVar("T")
 
@@ -52,10 +53,10 @@ def cuda_index(local_rank: int, visible: int) -> int:
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Device that every tensor handed to this backend must live on: this rank's GPU for nccl, else cpu."""
     if "nccl" in backend_name(group):
-        index = os.environ.get("LOCAL_RANK")
+        index = launch_context().local_rank
         if index is None:
             return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cuda", cuda_index(int(index), torch.cuda.device_count()))
+        return torch.device("cuda", cuda_index(index, torch.cuda.device_count()))
     return torch.device("cpu")
 
 

@@ -89,6 +89,8 @@ class CIFAR10DataModule(InMemoryDataModule):
     files from ``scripts/make_synthetic_cifar10.py``).
     """
 
+    task = "classification"  # pairs with models of the same task (src/utils/config_checks.py)
+
     channels, image_size, num_classes = 3, 32, 10
 
     def __init__(

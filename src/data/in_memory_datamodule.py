@@ -11,9 +11,9 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from src.data.components.global_batch import per_replica_batch_size
 from src.data.components.in_memory import InMemoryDataset, keep_batch
 from src.data.components.resumable_loader import EpochShuffle, ResumableDataLoader
-from src.strategies.batch import per_replica_batch_size
 from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
 from src.utils.seeding import rank_seed

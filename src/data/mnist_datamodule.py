@@ -34,6 +34,7 @@ class MNISTDataModule(InMemoryDataModule):
     """
 
     channels, image_size, num_classes = 1, 28, 10
+    task = "classification"  # pairs with models of the same task (src/utils/config_checks.py)
 
     def __init__(
         self,

@@ -15,6 +15,8 @@ class ToyDataModule(InMemoryDataModule):
     the test split has ``num_test`` samples drawn from the same teacher.
     """
 
+    task = "regression"  # pairs with models of the same task (src/utils/config_checks.py)
+
     def __init__(
         self,
         num_samples: int = 4096,

@@ -22,6 +22,7 @@ class ClassificationModule(StepModule):
     is off because it costs a host sync on every step.
     """
 
+    task = "classification"  # pairs with data of the same task (src/utils/config_checks.py)
     best_of = "acc"  # val/acc_best
 
     def __init__(

@@ -15,6 +15,7 @@ from src.models.step_module import STAGES, StepModule, StepOutput
 class RegressionModule(StepModule):
     """Logs ``{train,val,test}/loss`` (exact sample-weighted MSE across ranks) and ``val/loss_best``."""
 
+    task = "regression"  # pairs with data of the same task (src/utils/config_checks.py)
     best_of = "loss"  # val/loss_best
 
     def __init__(

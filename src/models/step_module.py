@@ -14,7 +14,7 @@ updates race-free and exact.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from lightning import LightningModule
@@ -22,13 +22,20 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from src.models.optimizers import build_optimizer
-from src.models.step_output import StepOutput
-from src.strategies import lightning_compat as compat
+from src.utils import lightning_compat as compat
 from src.utils.seeding import rank_seed
 
 __all__ = ["STAGES", "StepModule", "StepOutput"]
 
 STAGES = ("train", "val", "test")
+
+
+class StepOutput(TypedDict):
+    """What ``model_step`` returns; the dp and pipeline strategies gather and pass it to ``record_step``."""
+
+    loss: Tensor  # mean loss over the samples of this (sub-)batch
+    output: Tensor  # network output, one row per sample
+    target: Tensor
 
 
 class StepModule(compat.FastHookName, LightningModule):
@@ -78,8 +85,8 @@ class StepModule(compat.FastHookName, LightningModule):
         Lightning keeps a reference to a logged ``Metric``, calls ``compute()`` (synced across
         ranks) when the epoch's value is read and ``reset()`` at the epoch's end, so logging
         it once per epoch yields the same values as logging it every step. Each ``self.log``
-        call re-registers the metric (``_ResultMetric.to`` walks its state), ~0.15 ms per
-        call, ~10% of an MLP training step on CPU. Call this *after* ``metric.update``.
+        call re-registers the metric (Lightning walks its state), a cost on every training step.
+        Call this *after* ``metric.update``.
         """
         if metric.update_count == 1:
             self.log(name, metric, on_step=False, on_epoch=True, prog_bar=prog_bar)
@@ -119,8 +126,6 @@ class StepModule(compat.FastHookName, LightningModule):
         self.log(f"val/{self.best_of}_best", best.compute(), sync_dist=True, prog_bar=True)
 
     def setup(self, stage: str) -> None:
-        if stage == "fit":
-            compat.cheap_cuda_check_without_gpus()  # speed: see src/strategies/lightning_compat.py
         if self.hparams.compile:
             self.compile_net()
 

@@ -1,17 +1,19 @@
 """``DDPStrategy``: Lightning's DDP with the project's fixes built in, so ``Trainer(strategy=DDPStrategy())``
 behaves exactly like ``trainer=ddp``:
 
-* its launcher runs the pre-flight checks before any rank starts, and under Hydra starts each child
-  rank with *this job's* command (a multirun would otherwise replay the whole sweep per rank);
+* its launcher (:mod:`src.strategies.launchers`) runs the pre-flight checks before any rank starts, and
+  under Hydra starts each child rank with *this job's* command (a multirun would otherwise replay the
+  whole sweep per rank);
 * a SIGTERM reaching any rank stops every rank at the same batch, agreed every
-  ``sigterm_check_every_n_batches`` batches (:mod:`src.strategies.sigterm`);
+  ``sigterm_check_every_n_batches`` batches (:mod:`src.runtime.sigterm`);
 * a stop signal (SIGTERM, SIGUSR1) saves ``last.ckpt`` at that batch and exits 128 + signal;
 * checkpoints are written atomically and loaded with ``weights_only=True``
-  (:mod:`src.strategies.checkpoint_io`), unless another CheckpointIO is given;
-* a rank that dies or freezes ends every rank soon, with one line naming it (:mod:`src.strategies.watchdog`);
-* a one-node run rendezvous through a file and gloo binds to loopback (:mod:`src.strategies.local_store`);
-* a torchrun restart does not read the keys of the attempt before it (:mod:`src.strategies.elastic_restart`);
-* the process group is destroyed before the interpreter exits (:mod:`src.strategies.exit_cleanup`).
+  (:mod:`src.utils.checkpoint_io`), unless another CheckpointIO is given;
+* a collective waits at most ``timeout`` (10 minutes) for a busy peer;
+* a rank that dies or freezes ends every rank soon, with one line naming it (:mod:`src.runtime.watchdog`);
+* a one-node run rendezvous through a file and gloo binds to loopback (:mod:`src.runtime.local_store`);
+* a torchrun restart does not read the keys of the attempt before it (:mod:`src.runtime.elastic_restart`);
+* the process group is destroyed before the interpreter exits (:mod:`src.runtime.exit_cleanup`).
 
 Everything else (cluster environments, gradient sync, torchrun/SLURM detection) is Lightning's own.
 """
@@ -24,46 +26,66 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch.distributed import Store
-from torch.distributed.constants import default_pg_timeout
 
-from src.strategies import lightning_compat as compat
-from src.strategies.checkpoint_io import AtomicCheckpointIODefault
-from src.strategies.elastic_restart import init_group_of_this_attempt
-from src.strategies.exit_cleanup import destroy_default_group_at_exit
-from src.strategies.local_store import init_group_with_local_store
-from src.strategies.sigterm import check_interval, install_sigterm_agreement
-from src.strategies.watchdog import RankWatchdog
+from src.runtime.elastic_restart import init_group_of_this_attempt
+from src.runtime.exit_cleanup import destroy_default_group_at_exit
+from src.runtime.local_store import init_group_with_local_store
+from src.runtime.sigterm import check_interval, install_sigterm_agreement
+from src.runtime.watchdog import RankWatchdog
+from src.strategies.launchers import PreflightMultiprocessingLauncher, PreflightSubprocessLauncher
+from src.utils import lightning_compat as compat
+from src.utils.checkpoint_io import AtomicCheckpointIODefault
 from src.utils.errors import ConfigError, user_error_cause
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
 
 
-class DDPStrategy(compat.PreflightLaunch, AtomicCheckpointIODefault, LightningDDPStrategy):
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # torch's default, 30 min, leaves a hung job idle for half an hour
+
+
+class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, LightningDDPStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` plus the fixes above.
 
     Args:
         sigterm_check_every_n_batches: how often the ranks agree on a SIGTERM (1 = every batch).
         hang_timeout_s: a rank whose heartbeat stops this long (frozen, or gone from another host) ends
-            the job (:mod:`src.strategies.watchdog`); a dead rank on the same host is seen within a second.
+            the job (:mod:`src.runtime.watchdog`); a dead rank on the same host is seen within a second.
             ``None`` turns the watchdog off.
+        timeout: how long a collective waits for a busy peer (``timedelta`` or seconds; ``None``: 10 min).
         **kwargs: Lightning's DDPStrategy arguments.
     """
 
     def __init__(self, *args: Any, sigterm_check_every_n_batches: int = 10, hang_timeout_s: float | None = 120.0,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+                 timeout: timedelta | float | None = None, **kwargs: Any) -> None:
+        if timeout is None:
+            timeout = COLLECTIVE_TIMEOUT
+        elif not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=timeout)
+        super().__init__(*args, timeout=timeout, **kwargs)
         self.sigterm_check_every_n_batches = check_interval(sigterm_check_every_n_batches)
         if hang_timeout_s is not None and hang_timeout_s <= 0:
-            raise ConfigError(f"hang_timeout_s={hang_timeout_s!r} must be > 0 seconds, or null to turn it off")
+            raise ConfigError(f"trainer.strategy.hang_timeout_s={hang_timeout_s!r} must be > 0 seconds, or null "
+                              "to turn the watchdog off")
         self.hang_timeout_s = hang_timeout_s
-        self.collective_timeout: timedelta = kwargs.get("timeout") or default_pg_timeout
+        self.collective_timeout = timeout
         self.requested_backend: str | None = kwargs.get("process_group_backend")
         self.watchdog: RankWatchdog | None = None
-        self.file_store: Store | None = None  # the one-node rendezvous (src/strategies/local_store.py)
+        self.file_store: Store | None = None  # the one-node rendezvous (src/runtime/local_store.py)
 
-    def validate(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
-        """Checks this strategy adds to the pre-flight (none for plain DDP); subclasses extend it."""
+    def build_launcher(self) -> PreflightSubprocessLauncher | PreflightMultiprocessingLauncher:
+        """Lightning's choice of launcher (as its own DDPStrategy makes it), with the pre-flight added."""
+        start_method = compat.start_method_of(self)
+        if start_method == "popen":
+            return PreflightSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        return PreflightMultiprocessingLauncher(self, start_method=start_method)
+
+    def check_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule,
+                            datamodule: pl.LightningDataModule | None = None) -> None:
+        """What this strategy checks before any rank starts (:func:`src.strategies.launchers.preflight`)."""
+        if compat.layer_sync_of(self) is not None and self.root_device.type != "cuda":
+            raise ConfigError("trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm is GPU-only): "
+                              "set trainer.sync_batchnorm=false on CPU")
 
     def setup_distributed(self) -> None:
         backend = self.requested_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")

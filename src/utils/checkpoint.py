@@ -1,15 +1,14 @@
-"""Check a checkpoint against the model before any training starts."""
+"""Which checkpoint a run starts from, and whether it fits the model, before any training starts."""
 
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 
-import torch
+from omegaconf import DictConfig
 from torch import nn
 
-from src.utils.errors import CheckpointError
+from src.utils.errors import CheckpointError, ConfigError
 
 
 def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module) -> None:
@@ -18,6 +17,9 @@ def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module) -> None:
     Lightning would only find out after launching processes and building the trainer,
     and a size mismatch surfaces there as a long ``load_state_dict`` traceback.
     """
+    # imported here: it loads Lightning, and Hydra's callbacks import this module before the job starts
+    from src.utils.checkpoint_io import load_checkpoint_file
+
     path = Path(ckpt_path)
     state = load_checkpoint_file(path)
     if not isinstance(state, dict) or "state_dict" not in state:
@@ -47,60 +49,28 @@ def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module) -> None:
         )
 
 
-def load_checkpoint_file(path: Path) -> object:
-    """``torch.load(path, weights_only=True)``; a :class:`CheckpointError` of one line naming the problem and a fix.
+LAST_CHECKPOINT = Path("checkpoints") / "last.ckpt"
 
-    torch's own messages span many lines, and for a file it cannot unpickle suggest ``weights_only=False``,
-    which would let a crafted file run code: never the fix here.
+
+def resume_checkpoint(cfg: DictConfig, run_dir: str | Path) -> str | None:
+    """The checkpoint ``fit`` starts from: ``ckpt_path``, else (``auto_resume``) the run dir's ``last.ckpt``."""
+    if cfg.get("ckpt_path"):
+        return str(cfg.ckpt_path)
+    last = Path(run_dir) / LAST_CHECKPOINT
+    if cfg.get("train") and cfg.get("auto_resume") and last.is_file():
+        return str(last)
+    return None
+
+
+def check_no_earlier_checkpoints(cfg: DictConfig, run_dir: str | Path) -> None:
+    """Refuse to train into a run directory that holds checkpoints this run would not resume from.
+
+    ModelCheckpoint would otherwise overwrite ``epoch_*.ckpt`` and ``last.ckpt`` of the earlier run.
+    Called by a Hydra callback before Hydra writes ``.hydra/``, so a refused run changes nothing.
     """
-    shown = f"ckpt_path={str(path)!r}"
-    if not path.exists():
-        raise CheckpointError(f"{shown} does not exist; fix: pass the path of a .ckpt file")
-    if path.is_dir():
-        inside = sorted(p.name for p in path.glob("*.ckpt"))[:3]
-        example = path / (inside[0] if inside else "last.ckpt")
-        holds = f" (it holds {', '.join(inside)})" if inside else ""
-        raise CheckpointError(
-            f"{shown} is a directory, not a checkpoint file{holds}; fix: pass a file, e.g. "
-            f"ckpt_path={example}"
-        )
-    if not path.is_file():
-        raise CheckpointError(f"{shown} is not a regular file; fix: pass the path of a .ckpt file")
-    if not os.access(path, os.R_OK):
-        raise CheckpointError(f"{shown} is not readable: check its permissions")
-    if path.stat().st_size == 0:
-        raise CheckpointError(
-            f"checkpoint {path} is empty (0 bytes; its save was cut short); fix: use another "
-            f"checkpoint, e.g. an epoch_*.ckpt beside it, or train again"
-        )
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)  # no code runs while loading
-    except pickle.UnpicklingError as err:
-        detail = _unpickling_detail(str(err))
-        if detail.startswith("Unsupported global"):
-            raise CheckpointError(
-                f"cannot read checkpoint {path}: it holds Python objects other than weights "
-                f"({detail}); fix: use a checkpoint saved by this project, whose files load "
-                "as plain weights"
-            ) from None
-        raise CheckpointError(
-            f"cannot read checkpoint {path}: the file is corrupt or not a PyTorch checkpoint "
-            f"({detail}); fix: use another checkpoint, e.g. an epoch_*.ckpt beside it"
-        ) from None
-    except Exception as err:
-        detail = _first_sentence(str(err)) or type(err).__name__
-        raise CheckpointError(
-            f"cannot read checkpoint {path}: the file is corrupt or truncated ({detail}); "
-            "fix: use another checkpoint, e.g. an epoch_*.ckpt beside it"
-        ) from None
-
-
-def _unpickling_detail(message: str) -> str:
-    """The reason inside torch's weights-only unpickling message, without its advice."""
-    _, found, after = message.partition("WeightsUnpickler error:")
-    return _first_sentence(after if found else message) or "unreadable pickle data"
-
-
-def _first_sentence(message: str) -> str:
-    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
-    return first.split(". ")[0].rstrip(".")[:200]
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    if not cfg.get("train") or resume_checkpoint(cfg, run_dir) is not None:
+        return
+    if ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
+        raise ConfigError(f"{ckpt_dir} already holds checkpoints of an earlier run; fix: pick a new "
+                          f"hydra.run.dir, or resume with ckpt_path={ckpt_dir / 'last.ckpt'} (or auto_resume=true)")

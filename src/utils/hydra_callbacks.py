@@ -15,7 +15,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from src.utils.config_checks import check_no_earlier_checkpoints
+from src.runtime.launch_context import CHILD, TORCHRUN, launch_context
+from src.utils.checkpoint import check_no_earlier_checkpoints
 from src.utils.errors import ConfigError
 from src.utils.resolvers import rank_zero_value
 from src.utils.run_identity import forget_run_dir
@@ -134,7 +135,7 @@ class PidFile(Callback):
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         me = psutil.Process()
-        launcher = me.parent() if "LOCAL_RANK" in os.environ else None
+        launcher = me.parent() if launch_context().launcher in (CHILD, TORCHRUN) else None
         record = {"pid": me.pid, "started": me.create_time(), "cmdline": me.cmdline(),
                   "run_dir": str(config.hydra.runtime.output_dir),
                   "launcher": None if launcher is None else {"pid": launcher.pid, "started": launcher.create_time()}}

@@ -34,6 +34,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
+from src.runtime.launch_context import launch_context
 from src.utils.errors import user_error_cause
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
@@ -58,8 +59,7 @@ def hydra_main(**kwargs: Any) -> Callable[[Callable], Callable]:
 def _exit_with(message: str, every_rank_sees_it: bool = False) -> None:
     """Print ``error: message`` and exit 2; an error every rank of a torchrun/srun launch sees alike (the
     command line's) is printed by global rank 0 only, the others exit 2 quietly."""
-    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
-    if not every_rank_sees_it or rank == "0":
+    if not every_rank_sees_it or launch_context().is_global_zero:
         print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 from omegaconf import OmegaConf
 
+from src.runtime.launch_context import launch_context
 from src.utils.run_identity import run_dir_name
 
 
 def rank_zero_value(value: str) -> str | None:
     """``value`` on global rank 0, None elsewhere (e.g. only rank 0 writes Hydra's ``.hydra/`` subdir)."""
-    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
-    return value if rank == "0" else None
+    return value if launch_context().is_global_zero else None
 
 
 def register_resolvers() -> None:

@@ -28,6 +28,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from src.runtime.launch_context import launch_context
 from src.utils.run_status import FINISHED, read_status
 
 LOCK_FILE = ".lock"
@@ -53,7 +54,7 @@ def forget_run_dir() -> None:
 
 
 def _choose(root: Path, overrides: list[str], auto_resume: bool) -> Path:
-    job_id = launcher_job_id()
+    job_id = launch_context().job_id
     if job_id is not None:
         # every rank must reach the same answer without talking: the first of name, name_2, ... not finished
         name = f"{job_id}_{hashlib.sha1(chr(10).join(overrides).encode()).hexdigest()[:8]}"
@@ -69,28 +70,16 @@ def _choose(root: Path, overrides: list[str], auto_resume: bool) -> Path:
     return _new_dir(root, dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
 
 
-def launcher_job_id() -> str | None:
-    """An id the cluster keeps across requeues and recoveries: SkyPilot task, SLURM job (+array task, step)."""
-    if os.environ.get("SKYPILOT_TASK_ID"):
-        return "sky_" + "".join(c if c.isalnum() or c in "-_." else "-" for c in os.environ["SKYPILOT_TASK_ID"])
-    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    if not job:
-        return None
-    task = os.environ.get("SLURM_ARRAY_TASK_ID")
-    step = os.environ.get("SLURM_STEP_ID")
-    return "slurm_" + job + (f"_{task}" if task else "") + (f"_step{step}" if step else "")
-
-
 def torchrun_stamp(timeout_s: float = 60.0) -> str | None:
     """Under torchrun, the stamp the first rank put in the agent's store (None outside torchrun)."""
-    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+    ctx = launch_context()
+    if ctx.torchrun_run_id is None:
         return None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no agent store to agree through
-        return "torchrun_" + os.environ["TORCHELASTIC_RUN_ID"]
+    if not ctx.torchrun_agent_store:  # no agent store to agree through
+        return "torchrun_" + ctx.torchrun_run_id
     from torch.distributed import TCPStore
 
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                     timeout=dt.timedelta(seconds=timeout_s))
+    store = TCPStore(ctx.master_addr, int(ctx.master_port), is_master=False, timeout=dt.timedelta(seconds=timeout_s))
     mine = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S") + f"_torchrun_{os.getpid()}"
     return store.compare_set("lightning_hydra_template/run_dir", "", mine).decode()
 

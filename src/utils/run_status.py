@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from src.runtime.launch_context import launch_context
+
 if TYPE_CHECKING:  # imported by the run-dir resolver, before logging is set up: no Lightning at import
     import lightning as L
 
@@ -47,8 +49,7 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike) -> Iterator[None]
     """Around ``fit``: ``running``, then ``finished``, ``preempted`` (a stop signal) or ``failed`` (any error)."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    # before fit the ranks are not known yet: the launching process (no rank in its environment) writes
-    if all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")):
+    if launch_context().is_launching_process:  # before fit the ranks are not known yet
         write_status(run_dir, RUNNING)
     try:
         yield

@@ -13,7 +13,7 @@ from typing import Any
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from src.strategies.exit_cleanup import exit_after_peer_failure, peer_failed
+from src.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
 from src.utils.errors import ConfigError, UserError, user_error_cause
 from src.utils.pylogger import RankedLogger, current_rank
 from src.utils.rich_utils import print_config_tree

@@ -39,11 +39,11 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 180)
     exception is re-raised here with its traceback.
     """
     # imported here, not at the top: spawned ranks then skip importing Lightning
-    from src.strategies.ports import find_free_port
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = find_free_port()
+    port = find_free_network_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from src.strategies import lightning_compat as compat
+from src.utils import lightning_compat as compat
 
 # -- scatter ----------------------------------------------------------------------
 

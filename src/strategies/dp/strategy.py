@@ -31,8 +31,7 @@ from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
-from src.strategies import lightning_compat as compat
-from src.strategies.checkpoint_io import AtomicCheckpointIODefault
+from src.data.components.global_batch import check_dp_batch
 from src.strategies.dp.shards import (
     ShardRunner,
     batch_size_of,
@@ -41,6 +40,8 @@ from src.strategies.dp.shards import (
     shard_sizes,
     split_batch,
 )
+from src.utils import lightning_compat as compat
+from src.utils.checkpoint_io import AtomicCheckpointIODefault
 from src.utils.errors import ConfigError
 
 
@@ -50,7 +51,7 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
     The Trainer fills in ``parallel_devices`` from ``accelerator``/``devices`` (CPU ``devices=2``
     gives two CPU "devices", i.e. two threads on the same CPU). Checkpoints hold the root
     module's plain state dict, loadable by any single-device run; without a ``checkpoint_io``
-    they are written by :class:`~src.strategies.checkpoint_io.AtomicCheckpointIO`.
+    they are written by :class:`~src.utils.checkpoint_io.AtomicCheckpointIO`.
     """
 
     strategy_name = "dp"
@@ -150,9 +151,13 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
         return decision
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def validate(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
-        """The pre-flight checks dp adds (see :mod:`src.strategies.preflight`)."""
+    def check_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule,
+                            datamodule: pl.LightningDataModule | None = None) -> None:
+        """What dp checks before training (:func:`src.strategies.launchers.preflight`): the model, then that
+        every device gets a sample of any DataModule's batch (else the first training step fails)."""
         self._check_model(model)
+        hparams = getattr(datamodule, "hparams", None) or {}
+        check_dp_batch(hparams.get("batch_size", getattr(datamodule, "batch_size", None)), len(self.parallel_devices))
 
     def _check_model(self, model: pl.LightningModule) -> None:
         missing = [name for name in ("model_step", "record_step") if not callable(getattr(model, name, None))]

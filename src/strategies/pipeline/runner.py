@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from src.models.step_output import StepOutput
+from src.models.step_module import StepOutput
 from src.strategies.pipeline.mesh import PipelineMesh
 from src.strategies.pipeline.schedule import build_schedule
 
@@ -45,7 +45,6 @@ class PipelineRunner:
         schedule: str,
         n_microbatches: int,
         criterion: Callable[[Tensor, Tensor], Tensor],
-        prefetch: bool = True,
     ) -> None:
         self.modules = list(modules)
         self.num_stages = num_stages
@@ -54,7 +53,6 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.n_microbatches = n_microbatches
         self.criterion = criterion
-        self.prefetch = prefetch  # receives posted up front (see .schedule)
         self._schedules: dict[tuple, object] = {}
         self._out_shape: tuple[int, ...] | None = None  # per-sample output shape, learnt at the first step
 
@@ -73,7 +71,7 @@ class PipelineRunner:
             loss_fn = self.criterion if training else None
             self._schedules[key] = build_schedule(
                 self.schedule_name, self.modules, self.num_stages, self.device, self.mesh.pp_group,
-                self.n_microbatches, loss_fn, self.prefetch,
+                self.n_microbatches, loss_fn,
             )
         return self._schedules[key]
 
@@ -83,7 +81,7 @@ class PipelineRunner:
         The gradients are those of the full-batch mean loss (scaled by ``1/n_microbatches``
         inside the schedule). Returns the full-batch output and mean loss on every rank.
         """
-        schedule = self._schedule(True, inputs)  # the batch divides: src.strategies.batch checked it
+        schedule = self._schedule(True, inputs)  # the batch divides: src.data.components.global_batch checked it
         losses: list[Tensor] = []
         args = (inputs,) if self.holds_first else ()
         output = schedule.step(*args, target=target, losses=losses)

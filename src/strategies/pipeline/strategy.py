@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -41,9 +40,9 @@ from rich.console import Console
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from src.strategies import lightning_compat as compat
+from src.runtime.exit_cleanup import release_before_destroy
+from src.runtime.sigterm import install_sigterm_agreement
 from src.strategies.ddp import DDPStrategy
-from src.strategies.exit_cleanup import release_before_destroy
 from src.strategies.pipeline import checkpoint as ckpt
 from src.strategies.pipeline.grads import add_grads, reduce_grads, take_grads
 from src.strategies.pipeline.mesh import Layout, PipelineMesh, build_mesh, resolve_layout
@@ -57,7 +56,7 @@ from src.strategies.pipeline.partition import (
 )
 from src.strategies.pipeline.runner import PipelineRunner
 from src.strategies.pipeline.schedule import canonical_schedule, check_schedule, stage_indices
-from src.strategies.sigterm import install_sigterm_agreement
+from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 
 
@@ -79,8 +78,9 @@ class PipelineStrategy(DDPStrategy):
         dp_size: data-parallel replicas of the whole pipeline.
         balance: ``params`` (parameter counts) or ``time`` (measured forward time per block).
         process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
-        timeout: how long a collective waits for a peer (``timedelta`` or seconds).
         start_method: ``popen`` (re-run the script per rank) or ``spawn``.
+        **kwargs: the project's :class:`~src.strategies.ddp.DDPStrategy` arguments (``timeout``,
+            ``hang_timeout_s``, ``sigterm_check_every_n_batches``...).
     """
 
     strategy_name = "pipeline"
@@ -94,7 +94,6 @@ class PipelineStrategy(DDPStrategy):
         dp_size: int = 1,
         balance: str = "params",
         process_group_backend: str | None = None,
-        timeout: timedelta | float | None = timedelta(minutes=30),
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
@@ -106,10 +105,7 @@ class PipelineStrategy(DDPStrategy):
             raise ConfigError(f"trainer.strategy.dp_size={dp_size!r} must be an integer >= 1")
         if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
             raise ConfigError(f"trainer.strategy.stages={stages!r} must be an integer >= 1, or null")
-        if isinstance(timeout, (int, float)):
-            timeout = timedelta(seconds=timeout)
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout,
-                         start_method=start_method, **kwargs)
+        super().__init__(process_group_backend=process_group_backend, start_method=start_method, **kwargs)
         self.stages = stages
         self.n_microbatches = n_microbatches
         self.schedule = schedule
@@ -139,9 +135,10 @@ class PipelineStrategy(DDPStrategy):
         """Total (virtual) stages: pipeline ranks x stages per rank."""
         return self.layout.pp * self.stages_per_rank
 
-    def validate(self, trainer: pl.Trainer, model: pl.LightningModule) -> None:
-        """The pre-flight checks of :mod:`src.strategies.preflight`, root causes first: the model, then
-        whether it splits into the stages, then the schedule and the training settings."""
+    def check_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule,
+                            datamodule: pl.LightningDataModule | None = None) -> None:
+        """What the pipeline checks before any rank starts (:func:`src.strategies.launchers.preflight`), root
+        causes first: the model, then whether it splits into the stages, then the schedule and the settings."""
         if trainer.state.fn == TrainerFn.PREDICTING:
             raise ConfigError("trainer=pipeline does not predict: load the checkpoint on one device (trainer=default)")
         for hook in ("criterion", "record_step"):

@@ -10,15 +10,11 @@ refused"), failing the restart it was meant to make.
 from __future__ import annotations
 
 import datetime as dt
-import os
 
 import torch
 import torch.distributed as dist
 
-
-def restart_attempt() -> int:
-    """Which torchrun attempt this process belongs to (0: the first, or not under torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+from src.runtime.launch_context import launch_context
 
 
 def init_group_of_this_attempt(backend: str, timeout: dt.timedelta, device: torch.device) -> bool:
@@ -27,11 +23,11 @@ def init_group_of_this_attempt(backend: str, timeout: dt.timedelta, device: torc
     Returns True when it did; Lightning then finds the group initialised and keeps it. A first attempt,
     or a launch without torchrun's agent store, is left to Lightning.
     """
-    attempt = restart_attempt()
-    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+    ctx = launch_context()
+    if ctx.restart_count == 0 or not ctx.torchrun_agent_store or dist.is_initialized():
         return False
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+    store = dist.TCPStore(ctx.master_addr, int(ctx.master_port), is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{ctx.restart_count}", store),
+                            rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
                             device_id=device if device.type != "cpu" else None)
     return True

@@ -2,8 +2,8 @@
 
 When ``main()`` returns, CPython joins non-daemon threads, runs the ``atexit`` handlers, and then
 tears down every module and frees every object. With torch, Lightning and torchmetrics loaded
-(torchmetrics imports torchvision, torch._dynamo and scipy.signal), that last part took 1.5-1.8 s
-here, just for ``import lightning``, and nothing in it writes anything. The atexit handlers do
+(torchmetrics imports torchvision, torch._dynamo and scipy.signal), that last part takes seconds
+(docs/benchmarks.md), and nothing in it writes anything. The atexit handlers do
 matter: loggers, the process group, temp dirs, multiprocessing's worker clean-up. So they all
 still run. Only the teardown after them is skipped.
 

@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from src.strategies.exit_cleanup import destroy_default_group
+from src.runtime.exit_cleanup import destroy_default_group
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """When a rank dies or freezes, every other rank ends soon, and one line says which rank failed.
 
-torch's collectives notice a dead peer (gloo: "Connection closed by peer", in about 2 s) but not which
+torch's collectives notice a dead peer (gloo: "Connection closed by peer", within seconds) but not which
 one, and a frozen peer (stopped, swapped out, stuck holding the GIL) only after the process-group
 timeout (30 min by default), after which the frozen rank is left running. torchelastic's agent
 watches its own node's workers only, and Lightning's launcher watches nothing.
@@ -29,7 +29,8 @@ import time
 import psutil
 from torch.distributed import Store, TCPStore
 
-from src.strategies.exit_cleanup import announce_peer_failure
+from src.runtime.exit_cleanup import announce_peer_failure
+from src.runtime.launch_context import launch_context
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
@@ -59,12 +60,13 @@ class RankWatchdog:
     # -- life cycle ------------------------------------------------------------------------------------
     def start(self) -> None:
         """Publish this rank, read every rank's host and PID, start beating (call after the group exists)."""
+        ctx = launch_context()
         if self._store is None:
-            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            self._store = TCPStore(addr, port, is_master=False, timeout=dt.timedelta(seconds=self.timeout_s))
+            self._store = TCPStore(ctx.master_addr, int(ctx.master_port), is_master=False,
+                                   timeout=dt.timedelta(seconds=self.timeout_s))
         # A torchrun restart keeps the agent's store, and fit then test start two watchdogs on one store:
         # keys of an earlier attempt or session must not count. Every rank counts its sessions on this store.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = ctx.restart_count
         session = self._store.add(f"lightning_hydra_template/watchdog/{attempt}/sessions/{self.rank}", 1)
         self.prefix = f"lightning_hydra_template/watchdog/{attempt}/{session}/"
         me = {"host": socket.gethostname(), "pid": os.getpid()}
@@ -118,8 +120,8 @@ class RankWatchdog:
                 return None
             if self._finished.get(0) == "reported":
                 return (0, REPORTED)
-            return (0, f"is unreachable: the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
-                       f"{os.environ.get('MASTER_PORT')} stopped answering")
+            ctx = launch_context()
+            return (0, f"is unreachable: the rendezvous store at {ctx.master_addr}:{ctx.master_port} stopped answering")
         for peer, (count, since) in sorted(self._last_seen.items()):
             if peer in self._finished:
                 if self._finished[peer] == "reported" and not self._alive_here(peer):

@@ -1,29 +1,30 @@
 """Every private Lightning and torch name the project touches, in one place, checked at import.
 
-Lightning has no public setting for a few things the strategies need: a launcher that checks the
-run before any rank starts, Hydra's per-job child command, a cheaper SIGTERM check, CPU replicas
-for dp. Each is a small named function or mixin below, saying what it buys. All were checked
-against lightning 2.6.6 and torch 2.14.1. If a release renames one of these names, importing this
-module fails with one line naming the version and the feature, never a silent no-op.
+This module holds names and guards only: each private name is reached through one small accessor or
+alias below, and the features that use them live with their owners (the launchers in
+:mod:`src.strategies.launchers`, the SIGTERM agreement in :mod:`src.runtime.sigterm`, dp replicas in
+:mod:`src.strategies.dp.shards`). All were checked against lightning 2.6.6 and torch 2.14.1 (and run with
+torch 2.11 on a GPU machine). If a release renames one of these names, importing this module fails
+with one line naming the version and the feature, never a silent no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities import optimizer as fabric_optimizer
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.loops import training_epoch_loop
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
 from lightning.pytorch.strategies.launchers import subprocess_script
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.connectors import accelerator_connector, signal_connector
 from torch import nn
 
 CHECKED_AGAINST = "lightning 2.6.6 and torch 2.14.1"
@@ -44,12 +45,14 @@ def require(owner: Any, name: str, feature: str) -> None:
 
 
 class CodeNames:
-    """Names that functions' code refers to (``co_names``): attributes an ``__init__`` assigns, or names a
-    method still calls. Answers ``hasattr`` for them, so :func:`require` checks code without running it."""
+    """Names that functions' code refers to (``co_names``, and names given as strings, as ``nn.Module`` sets its
+    own): attributes an ``__init__`` assigns, or names a method still calls. Answers ``hasattr`` for them,
+    so :func:`require` checks code without running it."""
 
     def __init__(self, label: str, *functions: Callable) -> None:
         self.__name__ = label
-        self.names = frozenset(n for f in functions for n in getattr(inspect.unwrap(f), "__code__", None).co_names)
+        codes = [getattr(inspect.unwrap(f), "__code__", None) for f in functions]
+        self.names = frozenset(n for code in codes for n in (*code.co_names, *code.co_consts) if isinstance(n, str))
 
     def __getattr__(self, name: str) -> Any:
         if name in self.__dict__.get("names", ()):
@@ -72,23 +75,40 @@ def CalledIn(function: Callable) -> CodeNames:  # noqa: N802
 # (where to look, name, what needs it); "where" is called when checked
 PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: subprocess_script, "_hydra_subprocess_cmd", "the per-job Hydra child command"),
+    (lambda: subprocess_script, "_SubprocessScriptLauncher", "the pre-flight launcher (popen)"),
+    (lambda: subprocess_script._SubprocessScriptLauncher, "_call_children_scripts", "the per-job Hydra child command"),
     (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher._call_children_scripts), "_hydra_subprocess_cmd",
      "the per-job Hydra child command"),
-    (lambda: subprocess_script, "_SubprocessScriptLauncher", "the pre-flight launcher (popen)"),
     (lambda: mp_launcher, "_MultiProcessingLauncher", "the pre-flight launcher (spawn)"),
     (lambda: DDPStrategy, "_configure_launcher", "the pre-flight launcher"),
+    (lambda: accelerator_connector, "_AcceleratorConnector", "the pre-flight launcher"),
+    (lambda: accelerator_connector._AcceleratorConnector, "_lazy_init_strategy", "the pre-flight launcher"),
+    (lambda: CalledIn(accelerator_connector._AcceleratorConnector._lazy_init_strategy), "_configure_launcher",
+     "the pre-flight launcher"),
     (lambda: SetInInit(DDPStrategy), "_launcher", "the pre-flight launcher"),
+    (lambda: SetInInit(DDPStrategy), "_start_method", "the pre-flight launcher"),
     (lambda: SetInInit(DDPStrategy), "_layer_sync", "refusing sync_batchnorm where it cannot apply"),
-    (lambda: _TrainingEpochLoop, "_broadcast_sigterm_tensor", "the agreed SIGTERM stop"),
-    (lambda: CalledIn(_TrainingEpochLoop.advance), "_broadcast_sigterm_tensor", "the agreed SIGTERM stop"),
-    (lambda: _SignalConnector, "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
-    (lambda: CalledIn(_SignalConnector.register_signal_handlers), "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
-    (lambda: SetInInit(_SignalConnector), "received_sigterm", "the SIGTERM stop outside fit"),
+    (lambda: training_epoch_loop, "_TrainingEpochLoop", "the agreed SIGTERM stop"),
+    (lambda: training_epoch_loop._TrainingEpochLoop, "_broadcast_sigterm_tensor", "the agreed SIGTERM stop"),
+    (lambda: CalledIn(training_epoch_loop._TrainingEpochLoop.advance), "_broadcast_sigterm_tensor",
+     "the agreed SIGTERM stop"),
+    (lambda: signal_connector, "_SignalConnector", "the agreed SIGTERM stop"),
+    (lambda: signal_connector._SignalConnector, "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
+    (lambda: CalledIn(signal_connector._SignalConnector.register_signal_handlers), "_sigterm_notifier_fn",
+     "the agreed SIGTERM stop"),
+    (lambda: SetInInit(signal_connector._SignalConnector), "received_sigterm", "the SIGTERM stop outside fit"),
     (lambda: SetInInit(Trainer), "_signal_connector", "the agreed SIGTERM stop"),
     (lambda: SetInInit(LightningModule), "_current_fx_name", "fast hook-name writes"),
     (lambda: fabric_optimizer, "_optimizers_to_device", "moving a pipeline stage's optimizer state"),
     (lambda: nn.Module, "_replicate_for_data_parallel", "dp replicas on CPU"),
+    (lambda: SetInInit(nn.Module), "_parameters", "dp replicas on CPU"),
+    (lambda: SetInInit(nn.Module), "_buffers", "dp replicas on CPU"),
+    (lambda: SetInInit(nn.Module), "_modules", "dp replicas on CPU"),
+    (lambda: nn.Module, "_compiled_call_impl", "dp refusing compiled modules"),
+    (lambda: SetInInit(LightningModule), "_device", "dp replicas on their own devices"),
     (lambda: SetInInit(Strategy), "_checkpoint_io", "atomic checkpoint saves by default"),
+    (lambda: SetInInit(SingleDeviceStrategy), "_root_device", "the single-device strategy taking the Trainer's device"),
+    (lambda: dist.ProcessGroup, "_get_backend", "the pipelined ring all-reduce (coalesced sends on nccl)"),
 )
 
 
@@ -98,16 +118,15 @@ def check_private_names(names: tuple[tuple[Callable[[], Any], str, str], ...] = 
         require(where(), name, feature)
 
 
-# -- launchers: pre-flight checks and Hydra's per-job child command --------------------------------
+# -- launchers ---------------------------------------------------------------------------------------------
+SubprocessScriptLauncher = subprocess_script._SubprocessScriptLauncher  # popen: re-runs the command per rank
+MultiProcessingLauncher = mp_launcher._MultiProcessingLauncher  # spawn / fork
 _HYDRA_CHILD_COMMAND = "_hydra_subprocess_cmd"  # subprocess_script: builds a child rank's command under Hydra
 
 
 @contextlib.contextmanager
 def hydra_child_command(command: Callable[[int], tuple[list[str], str]]) -> Iterator[None]:
-    """Within the block, Lightning starts child ranks under Hydra with ``command(local_rank)``.
-
-    Stock Lightning replays the parent's ``sys.argv``, which in a multirun is the whole sweep.
-    """
+    """Within the block, Lightning starts child ranks under Hydra with ``command(local_rank)``."""
     previous = getattr(subprocess_script, _HYDRA_CHILD_COMMAND)
     setattr(subprocess_script, _HYDRA_CHILD_COMMAND, command)
     try:
@@ -116,65 +135,20 @@ def hydra_child_command(command: Callable[[int], tuple[list[str], str]]) -> Iter
         setattr(subprocess_script, _HYDRA_CHILD_COMMAND, previous)
 
 
-def _run_preflight(trainer: Trainer | None, args: tuple, fresh_store: bool) -> None:
-    from src.strategies.local_store import prepare_local_store
-    from src.strategies.preflight import preflight  # the project's checks; imported late (no cycle)
-
-    if trainer is not None and trainer.lightning_module is not None:
-        datamodule = next((a for a in args if isinstance(a, lightning.LightningDataModule)), None)
-        preflight(trainer, trainer.lightning_module, datamodule)
-    if trainer is not None:
-        environment = trainer.strategy.cluster_environment  # one node: rendezvous on a file, nothing listens outside
-        launches = environment is not None and not environment.creates_processes_externally
-        prepare_local_store(trainer.num_nodes, fresh_store, launches_ranks=launches)
-
-
-@contextlib.contextmanager
-def local_store_for_this_launch() -> Iterator[None]:
-    """The file-store path set for this launch's ranks is not inherited by later, unrelated launches."""
-    from src.strategies.local_store import STORE_ENV
-
-    try:
-        yield
-    finally:
-        os.environ.pop(STORE_ENV, None)
-
-
-class PreflightSubprocessLauncher(subprocess_script._SubprocessScriptLauncher):
-    """Lightning's popen launcher: checks the run first, then starts child ranks with this Hydra job's command."""
-
-    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        from src.strategies.hydra_child import child_command
-
-        _run_preflight(trainer, args, fresh_store=False)
-        with hydra_child_command(child_command), local_store_for_this_launch():
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class PreflightMultiprocessingLauncher(mp_launcher._MultiProcessingLauncher):
-    """Lightning's spawn launcher: checks the run first, in the parent, before any rank starts."""
-
-    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        _run_preflight(trainer, args, fresh_store=True)
-        with local_store_for_this_launch():
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class PreflightLaunch:
-    """Mixin for a :class:`DDPStrategy` subclass: its launcher runs :func:`src.strategies.preflight.preflight`.
-
-    ``_configure_launcher`` is the hook Lightning's own strategies override to pick a launcher.
-    """
+class BuildsLauncher:
+    """Strategy mixin: Lightning builds a strategy's launcher in ``_configure_launcher``, the hook its own
+    strategies override; this one builds whatever ``self.build_launcher()`` returns."""
 
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # Lightning's choice of launcher, then the same launcher with the pre-flight
-        swap = {subprocess_script._SubprocessScriptLauncher: PreflightSubprocessLauncher,
-                mp_launcher._MultiProcessingLauncher: PreflightMultiprocessingLauncher}
-        launcher_cls = swap.get(type(self._launcher))
-        if launcher_cls is None:
-            raise LightningVersionError(f"lightning {lightning.__version__} picked a {type(self._launcher).__name__} "
-                                        f"launcher, which the pre-flight does not know; checked against {CHECKED_AGAINST}")
-        self._launcher.__class__ = launcher_cls  # a subclass that only overrides launch(): no state to convert
+        self._launcher = self.build_launcher()
+
+    def build_launcher(self) -> Any:
+        raise NotImplementedError
+
+
+def start_method_of(strategy: DDPStrategy) -> str:
+    """The ``start_method`` a Lightning DDPStrategy was given (popen, spawn, fork, forkserver)."""
+    return strategy._start_method
 
 
 _CHECKPOINT_IO = "_checkpoint_io"  # Strategy: the CheckpointIO given to it (None: Lightning's default)
@@ -189,28 +163,14 @@ def set_checkpoint_io(strategy: Strategy, io: Any) -> None:
     setattr(strategy, _CHECKPOINT_IO, io)
 
 
+def set_root_device(strategy: SingleDeviceStrategy, device: torch.device) -> None:
+    """Point a single-device strategy at ``device`` after it was built (Lightning sets it only in ``__init__``)."""
+    strategy._root_device = device
+
+
 def layer_sync_of(strategy: Strategy) -> Any:
     """The SyncBatchNorm plugin the Trainer gave ``strategy`` (``sync_batchnorm=True``), or None."""
     return getattr(strategy, "_layer_sync", None)
-
-
-# -- resume: a checkpoint saved on the last batch of an epoch -----------------------------------------
-def end_restart_on_last_batch(trainer: Trainer) -> bool:
-    """Work around a Lightning 2.6 restart bug; True when it applied.
-
-    Resuming from a checkpoint saved in ``on_train_batch_end`` of an epoch's last batch (a periodic
-    or preemption checkpoint), the fit loop's ``reset`` finishes that epoch but keeps its
-    ``restarted_mid_epoch`` stage for the whole next epoch. That epoch is then never counted as
-    started, and ``on_train_epoch_start`` is skipped. A checkpoint taken in that epoch holds
-    counters that a second resume reads as "epoch finished": that epoch runs again. Call this at
-    ``on_train_start``, after ``reset`` and before the next epoch begins. Every name it uses is
-    public.
-    """
-    loop = trainer.fit_loop
-    if loop.restarted_mid_epoch and loop.epoch_loop.batch_progress.is_last_batch:
-        loop.reset_restart_stage()
-        return True
-    return False
 
 
 # -- SIGTERM: replace Lightning's per-batch broadcast with an agreement every N batches --------------
@@ -248,18 +208,12 @@ class FastHookName:
             super().__setattr__(name, value)
 
 
-_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch: check CUDA availability through NVML
-
-
-def cheap_cuda_check_without_gpus() -> None:
-    """On a machine with no visible GPU, make ``torch.cuda.is_available()`` cheap again.
-
-    ``import lightning`` sets the NVML switch so availability checks do not initialise CUDA before a
-    fork. Every ``optimizer.step()`` asks whether CUDA is available; with the switch and no GPU a
-    CUDA build of torch loads NVML each time. Without a GPU no CUDA state exists for a fork to break.
-    """
-    if os.environ.get(_NVML_CHECK) == "1" and not torch.cuda.is_available():
-        os.environ[_NVML_CHECK] = "0"
+def backend_supports_coalescing(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group``'s backend for ``device`` batches point-to-point calls (nccl does, gloo does not)."""
+    try:
+        return bool(getattr(group._get_backend(device), "supports_coalescing", False))
+    except (RuntimeError, AttributeError):  # no backend registered for this device type
+        return False
 
 
 def optimizers_to_device(optimizers: list, device: torch.device) -> None:
@@ -299,24 +253,6 @@ def bound_forwards(module: nn.Module) -> list[str]:
     """
     return [name or "<root>" for name, m in module.named_modules()
             if "forward" in m.__dict__ or m.__dict__.get("_compiled_call_impl") is not None]
-
-
-# -- pipeline: torch's single-stage schedule internals that the prefetching schedules call --------------
-# src/strategies/pipeline/schedule.py overrides ``_step_microbatches`` of ScheduleGPipe/Schedule1F1B and
-# calls these. Where a torch release lacks one, the pipeline falls back to torch's own classes (slower,
-# same maths) instead of failing, so they are checked per schedule, not at import.
-PIPELINE_SCHEDULE_INTERNALS = ("_step_microbatches", "_check_inputs", "_initialize_stage", "_maybe_compute_loss",
-                               "_maybe_get_loss", "_update_losses", "_stage", "_has_backward", "_n_microbatches",
-                               "_num_stages")
-PIPELINE_STAGE_API = ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops", "get_bwd_send_ops",
-                      "forward_one_chunk", "backward_one_chunk", "perform_reduce_grad")
-
-
-def has_pipeline_internals(schedule: Any) -> bool:
-    """Whether a built single-stage schedule (and its stage class) has every internal the prefetching body uses."""
-    stage_cls = type(getattr(schedule, "_stage", None))
-    return (all(hasattr(schedule, name) for name in PIPELINE_SCHEDULE_INTERNALS)
-            and all(hasattr(stage_cls, name) for name in PIPELINE_STAGE_API))
 
 
 check_private_names()

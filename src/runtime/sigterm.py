@@ -25,7 +25,6 @@ from :class:`src.callbacks.stop_signals.StopSignals`.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import threading
@@ -38,7 +37,8 @@ from lightning import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from src.strategies import lightning_compat as compat
+from src.runtime.launch_context import launch_context
+from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
 
@@ -61,11 +61,10 @@ class Preempted(SIGTERMException):
 
 
 def check_interval(every_n_batches: object) -> int:
-    """The SIGTERM agreement interval, or a ConfigError naming the config key."""
+    """The SIGTERM agreement interval, or a ConfigError naming the config key (checked where the strategy is built)."""
     if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) or every_n_batches < 1:
-        raise ConfigError(
-            f"sigterm_check_every_n_batches={every_n_batches!r} must be an integer >= 1 (1 = every batch)"
-        )
+        raise ConfigError(f"trainer.strategy.sigterm_check_every_n_batches={every_n_batches!r} must be an integer "
+                          ">= 1 (1 = every batch)")
     return every_n_batches
 
 
@@ -92,8 +91,7 @@ def stop_for_preemption(trainer: Trainer, signum: int) -> NoReturn:
 
 def requeue_slurm_job() -> None:
     """``scontrol requeue`` this SLURM job (array task); the requeued job resumes from ``last.ckpt``."""
-    array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    job = f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
+    job = launch_context().slurm_job
     if not job:
         return
     try:
@@ -158,7 +156,6 @@ def install_sigterm_agreement(trainer: Trainer, every_n_batches: int) -> Sigterm
     Called from the strategy's ``setup``, before Lightning registers its signal handlers.
     Single-process trainers are handled by :class:`src.callbacks.stop_signals.StopSignals`.
     """
-    check_interval(every_n_batches)
     if trainer.world_size == 1:
         return None
     return install_stop_handlers(trainer, every_n_batches)

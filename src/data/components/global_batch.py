@@ -2,7 +2,7 @@
 
 ``data.batch_size`` is the global batch. Each data-parallel replica (a DDP rank, or one replica of a
 whole pipeline) gets ``batch_size / replicas``, and a pipeline cuts that into ``n_microbatches``.
-dp is one process: it takes the whole batch and needs at least one sample per device.
+dp is one process: it takes the whole global batch and splits it over its devices, one sample each at least.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ def per_replica_batch_size(global_batch: int, strategy: Any) -> int:
         split = f"{replicas} data-parallel replica(s)" + (f" x {micro} micro-batches" if micro > 1 else "")
         raise ConfigError(f"data.batch_size={global_batch} is the global batch and must divide evenly across {split}: "
                           f"use a multiple of {unit}")
-    if getattr(strategy, "strategy_name", None) == "dp" and global_batch < devices:
-        raise ConfigError(f"data.batch_size={global_batch} cannot give each of the {devices} dp devices a sample: "
-                          f"raise data.batch_size to at least {devices}")
+    if getattr(strategy, "strategy_name", None) == "dp":
+        check_dp_batch(global_batch, devices)
     return global_batch // replicas
+
+
+def check_dp_batch(batch: Any, devices: int) -> None:
+    """dp splits each batch over its devices, whatever a DataModule means by batch size: one sample each at least."""
+    if isinstance(batch, int) and not isinstance(batch, bool) and 0 < batch < devices:
+        raise ConfigError(f"data.batch_size={batch} cannot give each of the {devices} dp devices a sample: raise "
+                          f"data.batch_size or lower trainer.devices; fix: data.batch_size={devices} or more, or "
+                          f"trainer.devices={batch}")

@@ -4,21 +4,18 @@ Why: a gloo collective's work object is released by the process group's worker t
 (``pt_gloo_runloop``) *after* ``wait()`` has returned to Python. Releasing it drops its tensors,
 which needs the GIL. If the main thread has meanwhile begun interpreter shutdown (a spawned
 rank returning right after the last metric sync), that thread is killed while taking the GIL
-and the process dies with SIGABRT ("terminate called without an active exception"). Seen in
-CI as ``process 1 terminated with signal SIGABRT`` at the end of a ``ddp_spawn`` test run;
-a gdb backtrace shows ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop``.
+and the process dies with SIGABRT ("terminate called without an active exception"), for example
+a ``ddp_spawn`` rank right after the last metric sync of ``trainer.test()`` (docs/faults.md).
 
 Destroying the group from an ``atexit`` handler joins those threads while Python is still
 whole. A sub-group's threads are joined only when its last Python reference goes, so objects
 that hold sub-groups (the pipeline's mesh, metrics synced over a sub-group) register a
-*release* that drops those references first (:func:`release_before_destroy`). Lightning registers the same handler, but only for nccl
-(``lightning.fabric.utilities.distributed._init_dist_connection``).
+*release* that drops those references first (:func:`release_before_destroy`). Lightning registers
+the same handler, but only for nccl.
 
 The price: destroying waits for collectives still in flight. A rank that fails with an async
-collective outstanding exits only once its peers join it (or the group's timeout passes); in a
-check here, a rank that raised after ``all_reduce(async_op=True)`` exited when its peer joined 20 s
-later, instead of at once. Peers that run the same code join promptly, so only a job that was
-already deadlocked waits for the timeout.
+collective outstanding exits only once its peers join it (or the group's timeout passes). Peers that
+run the same code join promptly, so only a job that was already deadlocked waits for the timeout.
 """
 
 from __future__ import annotations
@@ -34,6 +31,8 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
+
+from src.runtime.launch_context import CHILD, launch_context
 
 _releases: list[weakref.WeakMethod] = []
 
@@ -112,14 +111,9 @@ def announce_peer_failure(rank: int) -> None:
     print(
         f"rank {rank}: stopping because another rank failed (its error is above)", file=sys.stderr, flush=True
     )
-    if _started_by_lightning_launcher():
+    if launch_context().launcher == CHILD:
         launcher = os.getppid()
         deadline = time.monotonic() + _LAUNCHER_EXIT_WAIT_S
         while os.getppid() == launcher and time.monotonic() < deadline:
             time.sleep(0.05)
 
-
-def _started_by_lightning_launcher() -> bool:
-    """A child rank Lightning's popen launcher started (not torchrun's, not an srun task)."""
-    launched = os.environ.get("LOCAL_RANK", "0") != "0"
-    return launched and "TORCHELASTIC_RUN_ID" not in os.environ and "SLURM_PROCID" not in os.environ

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
-from src.strategies import lightning_compat as compat
+from src.utils import lightning_compat as compat
 from src.utils.errors import CheckpointError
 
 _PATH = str | os.PathLike
@@ -143,20 +143,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """``torch.load(..., weights_only=True)``; ``None`` (what ``trainer.fit`` passes by default) means ``True``.
 
         Only an explicit ``weights_only=False`` (``trainer.fit(..., weights_only=False)``, for a file you
-        trust) unpickles arbitrary objects.
+        trust) unpickles arbitrary objects. Local files go through :func:`load_checkpoint_file`.
         """
         weights_only = weights_only is not False
-        try:
+        if not _is_local(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        except pickle.UnpicklingError as err:
-            if not weights_only:
-                raise
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CheckpointError(
-                f"{path} holds objects other than tensors and plain values, so it was not loaded "
-                f"(torch.load weights_only=True: {first}); fix: re-save it with plain hyper-parameters, or, only "
-                "if you trust the file, load it with weights_only=False"
-            ) from err
+        return load_checkpoint_file(str(path).removeprefix("file://"), map_location, weights_only)
 
 
 def atomic_by_default(io: CheckpointIO | None) -> CheckpointIO:
@@ -186,3 +178,65 @@ class AtomicCheckpointIODefault:
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
         compat.set_checkpoint_io(self, io)
+
+
+def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+    """The one checkpoint loader: ``torch.load(path, weights_only=True)`` (no code runs while loading); a
+    :class:`CheckpointError` of one line naming the problem and a fix.
+
+    torch's own messages span many lines, and for a file it cannot unpickle suggest ``weights_only=False``,
+    which would let a crafted file run code: never the fix here. ``weights_only=False`` is for a caller
+    that trusts the file (an explicit ``trainer.fit(..., weights_only=False)``).
+    """
+    path = Path(path)
+    shown = f"ckpt_path={str(path)!r}"
+    if not path.exists():
+        raise CheckpointError(f"{shown} does not exist; fix: pass the path of a .ckpt file")
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.ckpt"))[:3]
+        example = path / (inside[0] if inside else "last.ckpt")
+        holds = f" (it holds {', '.join(inside)})" if inside else ""
+        raise CheckpointError(
+            f"{shown} is a directory, not a checkpoint file{holds}; fix: pass a file, e.g. "
+            f"ckpt_path={example}"
+        )
+    if not path.is_file():
+        raise CheckpointError(f"{shown} is not a regular file; fix: pass the path of a .ckpt file")
+    if not os.access(path, os.R_OK):
+        raise CheckpointError(f"{shown} is not readable: check its permissions")
+    if path.stat().st_size == 0:
+        raise CheckpointError(
+            f"checkpoint {path} is empty (0 bytes; its save was cut short); fix: use another "
+            f"checkpoint, e.g. an epoch_*.ckpt beside it, or train again"
+        )
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        detail = _unpickling_detail(str(err))
+        if detail.startswith("Unsupported global"):
+            raise CheckpointError(
+                f"{path} holds objects other than tensors and plain values, so it was not loaded: Python "
+                f"objects other than weights ({detail}); fix: use a checkpoint saved by this project, whose "
+                "files load as plain weights"
+            ) from None
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: the file is corrupt or not a PyTorch checkpoint "
+            f"({detail}); fix: use another checkpoint, e.g. an epoch_*.ckpt beside it"
+        ) from None
+    except Exception as err:
+        detail = _first_sentence(str(err)) or type(err).__name__
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: the file is corrupt or truncated ({detail}); "
+            "fix: use another checkpoint, e.g. an epoch_*.ckpt beside it"
+        ) from None
+
+
+def _unpickling_detail(message: str) -> str:
+    """The reason inside torch's weights-only unpickling message, without its advice."""
+    _, found, after = message.partition("WeightsUnpickler error:")
+    return _first_sentence(after if found else message) or "unreadable pickle data"
+
+
+def _first_sentence(message: str) -> str:
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
+    return first.split(". ")[0].rstrip(".")[:200]

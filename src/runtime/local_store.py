@@ -2,7 +2,7 @@
 
 torch's TCPStore server, which Lightning's launcher starts on rank 0 for ``env://``, listens on every
 interface with no authentication, and gloo binds to the interface of the host name. For a run whose
-ranks all live on this machine neither is needed: the launcher (:mod:`src.strategies.lightning_compat`)
+ranks all live on this machine neither is needed: the launcher (:mod:`src.utils.lightning_compat`)
 picks a ``FileStore`` path in a fresh private temp dir and hands it to the ranks in the environment,
 and sets ``GLOO_SOCKET_IFNAME=lo`` unless the user chose an interface. Multi-node runs and runs started
 by torchrun or SLURM keep the TCP rendezvous (they must be reachable from the other nodes).

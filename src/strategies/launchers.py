@@ -1,0 +1,132 @@
+"""How the project's multi-process strategies start their ranks: Lightning's launchers, plus the pre-flight.
+
+:class:`PreflightSubprocessLauncher` (``start_method="popen"``) and :class:`PreflightMultiprocessingLauncher`
+(``spawn``) are Lightning's own launchers with two additions. ``DDPStrategy.build_launcher`` builds them
+where Lightning builds its own (``compat.BuildsLauncher``):
+
+* before any rank starts, :func:`preflight` checks the strategy against the model and the data, the
+  global-batch rule and the rendezvous, so ``Trainer(strategy=DDPStrategy())`` gets the same one-line
+  errors as ``src/train.py``;
+* under Hydra, a child rank re-runs *this job* (:func:`child_command`), not the parent's ``sys.argv``. In a
+  multirun that argv is the whole sweep (``-m lr=0.01,0.1``): each child would replay every job in
+  directories of its own. The child command replays this job's config name, resolved overrides and output
+  directory, so every rank of a job logs into the same run dir and only the parent writes ``.hydra/``.
+
+A one-node run also gets a file rendezvous on loopback (:mod:`src.runtime.local_store`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning as L
+
+from src.data.components.global_batch import per_replica_batch_size
+from src.runtime.local_store import STORE_ENV, prepare_local_store
+from src.runtime.rendezvous import check_rendezvous
+from src.utils import lightning_compat as compat
+
+# -- the pre-flight: once per trainer and model, before any rank starts ------------------------------------
+_checked: weakref.WeakKeyDictionary[L.Trainer, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def preflight(trainer: L.Trainer, model: L.LightningModule, datamodule: L.LightningDataModule | None = None) -> None:
+    """The checks that need the built Trainer, model and data, before any rank starts; root causes first.
+
+    The strategy checks itself against the model (``check_before_launch``: model structure first, then its
+    settings), a DataModule that writes files checks its folder, the project's DataModules check the
+    global-batch rule, and a multi-process run checks its rendezvous. Runs once per trainer, model and data:
+    ``src/train.py`` calls it before it records the run as running, and the launchers above call it for a
+    Trainer built without ``src/train.py``.
+    """
+    key = (id(model), id(datamodule))
+    if _checked.get(trainer) == key:
+        return
+    strategy = trainer.strategy
+    check = getattr(strategy, "check_before_launch", None)
+    if callable(check):
+        check(trainer, model, datamodule)
+    check_data_dir = getattr(datamodule, "check_data_dir", None)
+    if callable(check_data_dir):  # a DataModule that writes its files: into a folder it can write
+        check_data_dir()
+    if getattr(datamodule, "batch_size_is_global", False):  # the project's DataModules; others keep their meaning
+        per_replica_batch_size(datamodule.hparams.batch_size, strategy)
+    if trainer.world_size > 1 or trainer.num_nodes > 1:
+        check_rendezvous(trainer.num_nodes)
+    _checked[trainer] = key
+
+
+def _preflight_launch(trainer: L.Trainer | None, args: tuple, fresh_store: bool) -> None:
+    if trainer is None:
+        return
+    if trainer.lightning_module is not None:
+        datamodule = next((a for a in args if isinstance(a, L.LightningDataModule)), None)
+        preflight(trainer, trainer.lightning_module, datamodule)
+    environment = trainer.strategy.cluster_environment  # one node: rendezvous on a file, nothing listens outside
+    launches = environment is not None and not environment.creates_processes_externally
+    prepare_local_store(trainer.num_nodes, fresh_store, launches_ranks=launches)
+
+
+@contextlib.contextmanager
+def _local_store_for_this_launch() -> Iterator[None]:
+    """The file-store path set for this launch's ranks is not inherited by later, unrelated launches."""
+    try:
+        yield
+    finally:
+        os.environ.pop(STORE_ENV, None)
+
+
+class PreflightSubprocessLauncher(compat.SubprocessScriptLauncher):
+    """Lightning's popen launcher: checks the run first, then starts child ranks with this Hydra job's command."""
+
+    def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
+        _preflight_launch(trainer, args, fresh_store=False)
+        with compat.hydra_child_command(child_command), _local_store_for_this_launch():
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
+    """Lightning's spawn launcher: checks the run first, in the parent, before any rank starts."""
+
+    def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
+        _preflight_launch(trainer, args, fresh_store=True)
+        with _local_store_for_this_launch():
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+# -- the command of a child rank under Hydra -------------------------------------------------------------
+# Hydra overrides that describe the parent's sweep, not the job a child must join.
+_PARENT_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.job.", "hydra.output_subdir",
+                "hydra/sweeper", "hydra/launcher", "hydra.sweeper", "hydra.launcher")
+
+
+def child_command(local_rank: int) -> tuple[list[str], str]:
+    """Command and cwd that start rank ``local_rank`` of the current Hydra job (run or multirun)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
+
+    hc = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    main_source = next((s for s in hc.runtime.config_sources if s.provider == "main"), None)
+    if main_source is not None and main_source.path.startswith("file://"):
+        command.append(f"--config-path={main_source.path.removeprefix('file://')}")
+    command.append(f"--config-name={hc.job.config_name}")
+    command += [o for o in hc.overrides.hydra if not o.lstrip("~+").startswith(_PARENT_ONLY)]
+    command += list(hc.overrides.task)
+    command += [
+        f'hydra.run.dir="{hc.runtime.output_dir}"',
+        f"hydra.job.name={hc.job.name}",  # same name -> same log file, each line tagged with its rank
+        "hydra.output_subdir=null",  # only the parent writes .hydra/
+        "hydra.mode=RUN",  # a search config may switch to multirun itself: a rank joins one job, never a sweep
+    ]
+    return command, get_original_cwd()

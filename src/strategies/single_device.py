@@ -1,0 +1,45 @@
+"""``SingleDeviceStrategy``: Lightning's single-device strategy with the project's checkpoint files.
+
+One-process runs (``trainer=default``, ``cpu``, ``gpu``, ``mps``) write checkpoints atomically and load
+them with ``weights_only=True`` (:mod:`src.utils.checkpoint_io`), as the multi-process strategies do;
+the default lives in the strategy class, so ``Trainer(strategy=SingleDeviceStrategy())`` gets it too.
+Given no device, the strategy takes the one the Trainer picks from ``accelerator`` and ``devices``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingleDeviceStrategy
+
+from src.utils import lightning_compat as compat
+from src.utils.checkpoint_io import AtomicCheckpointIODefault
+from src.utils.errors import ConfigError
+
+
+class SingleDeviceStrategy(AtomicCheckpointIODefault, LightningSingleDeviceStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`, atomic checkpoints by default.
+
+    Args:
+        device: the device to train on; ``None`` takes the Trainer's choice (``trainer.accelerator`` and
+            ``trainer.devices``, which must name one device).
+        **kwargs: Lightning's SingleDeviceStrategy arguments.
+    """
+
+    def __init__(self, device: str | torch.device | int | None = None, **kwargs: Any) -> None:
+        super().__init__(device="cpu" if device is None else device, **kwargs)
+        self._chosen_by_trainer = device is None
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The Trainer fills this in when no device was given (its accelerator connector looks for it)."""
+        return None if self._chosen_by_trainer else [self.root_device]
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device]) -> None:
+        if len(devices) != 1:
+            raise ConfigError(f"trainer.devices={len(devices)} but this trainer config runs one device; fix: use "
+                              f"trainer=ddp (or dp, pipeline) for several devices, or set trainer.devices=1")
+        compat.set_root_device(self, devices[0])
+        self._chosen_by_trainer = False
