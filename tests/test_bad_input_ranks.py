@@ -14,8 +14,8 @@ import threading
 import time
 
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from src.strategies.ports import find_free_port
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 from tests.test_bad_input import TOY, one_line_exit_2
@@ -80,7 +80,7 @@ def start_second_node(tmp_path, env: dict):
 def test_rendezvous_wait_is_bounded(tmp_path):
     """Node 1 of 2 whose node 0 never starts: one line naming MASTER_ADDR:MASTER_PORT after RENDEZVOUS_TIMEOUT
     seconds (not torch's 30 minutes of retries and C++ frames)."""
-    port = find_free_port("127.0.0.2")  # nothing listens there once the probe socket is closed
+    port = find_free_network_port()  # free on every interface, so nothing listens on 127.0.0.2 either
     env = {"NODE_RANK": "1", "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": str(port), "RENDEZVOUS_TIMEOUT": "3"}
     started = time.monotonic()
     proc = start_second_node(tmp_path, env)
@@ -100,9 +100,9 @@ def test_rendezvous_needs_master_addr_and_port(tmp_path, monkeypatch):
 
 @pytest.mark.fast
 def test_wait_for_listener_sees_a_late_master():
-    from src.strategies.ports import wait_for_listener
+    from src.runtime.rendezvous import wait_for_listener
 
-    port = find_free_port("127.0.0.2")
+    port = find_free_network_port()
     assert not wait_for_listener("127.0.0.2", port, timeout=0.5, interval=0.1)
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -121,7 +121,6 @@ def test_wait_for_listener_sees_a_late_master():
         server.close()
 
 
-@pytest.mark.fast
 def test_config_error_is_printed_by_rank_zero_only(tmp_path):
     """torchrun/srun start every rank with the same command line: its error is said once, by global rank 0."""
     for rank, printed in (("0", 1), ("1", 0)):
@@ -146,7 +145,7 @@ def test_torch_store_timeout_becomes_one_line():
 
 @pytest.mark.fast
 def test_peer_failure_is_recognised():
-    from src.strategies.exit_cleanup import peer_failed
+    from src.runtime.exit_cleanup import peer_failed
 
     gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:52940"
     assert peer_failed(RuntimeError(gloo))

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
+import re
 
 import hydra
 import pytest
 from lightning import Callback
 from lightning.pytorch.loggers import Logger
+from omegaconf import OmegaConf
 
 import src.strategies  # noqa: F401  (registers the dp and pipeline names)
+from src.utils.checkpoint_io import AtomicCheckpointIO
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers
-from tests.helpers.config import CONFIG_DIR
+from tests.helpers.config import CONFIG_DIR, ROOT
 
 pytestmark = pytest.mark.fast
 
@@ -44,9 +46,14 @@ def test_model_options_instantiate(make_cfg, model):
 
 @pytest.mark.parametrize("trainer", options("trainer"))
 def test_trainer_options_instantiate(make_cfg, trainer):
+    """Each trainer config builds the strategy it names, on the devices it names, with atomic checkpoints."""
+    if trainer == "mps":
+        pytest.skip("trainer=mps needs an Apple GPU; tests/test_experiments.py checks its refusal elsewhere")
     cfg = make_cfg("train", [f"trainer={trainer}", "trainer.accelerator=cpu"])
     built = hydra.utils.instantiate(cfg.trainer)
-    assert built.max_epochs == cfg.trainer.max_epochs
+    assert type(built.strategy) is hydra.utils.get_class(cfg.trainer.strategy._target_)
+    assert built.num_devices == cfg.trainer.devices and built.max_epochs == cfg.trainer.max_epochs
+    assert isinstance(built.strategy.checkpoint_io, AtomicCheckpointIO)  # every strategy's default
 
 
 @pytest.mark.parametrize("callbacks", options("callbacks"))
@@ -73,9 +80,15 @@ def test_logger_options_instantiate(make_cfg, logger, monkeypatch):
 
 @pytest.mark.parametrize("group", ["debug", "experiment", "hparams_search"])
 def test_global_groups_compose(make_cfg, group):
+    """Every option of a global group composes and changes the run it is added to."""
+    base = OmegaConf.to_container(make_cfg("train", [], subdir="base"), resolve=False)
     for option in options(group):
-        cfg = make_cfg("train", [f"{group}={option}"])
+        cfg = make_cfg("train", [f"{group}={option}"], subdir=f"{group}-{option}")
         assert cfg.model._target_ and cfg.data._target_
+        changed = OmegaConf.to_container(cfg, resolve=False)
+        for node in (changed, base):
+            node.pop("hydra", None)
+        assert changed != base, f"{group}={option} changes nothing"
 
 
 def test_eval_config_composes(make_cfg):
@@ -83,7 +96,14 @@ def test_eval_config_composes(make_cfg):
     assert cfg.ckpt_path == "x.ckpt" and cfg.task_name == "eval"
 
 
-def test_config_dir_has_every_documented_group():
-    expected = {"data", "model", "trainer", "callbacks", "logger", "paths", "extras", "hydra", "debug",
-                "experiment", "hparams_search", "local"}
-    assert expected <= {p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir()}
+def test_every_option_in_the_readme_table_exists():
+    """The README's config-groups table names options that exist, and every option that exists is named."""
+    table = [line for line in (ROOT / "README.md").read_text().splitlines() if re.match(r"^\| `\w+` \|", line)]
+    documented = {}
+    for line in table:
+        group, options_cell = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        documented[group.strip("`")] = set(re.findall(r"`(\w+)`", options_cell))
+    checked = {"data", "model", "trainer", "logger", "debug", "experiment", "hparams_search"}
+    assert checked <= documented.keys()
+    for group in checked:
+        assert documented[group] == set(options(group)), group
