@@ -349,7 +349,7 @@ def test_compile_suite_cost_gain_and_break_even(tmp_path, monkeypatch):
     from scripts.bench.context import Bench, Settings
     from scripts.bench.suites import compile as compile_suite
 
-    batch = contenders.DEFAULT_BATCH
+    batch = contenders.WORKLOADS["mlp"][0]
 
     def timeline(first_epoch_s: float, step_ms: float) -> dict:
         steps = [first_epoch_s]  # epoch 1: one long step (compilation), then a steady epoch of 10 steps

@@ -153,18 +153,74 @@ def test_compiled_run_resumes_and_evaluates_on_gpu(make_cfg):
 
 @gpu_test(1)
 def test_data_path_on_gpu(make_cfg):
-    """Batches come from pinned host memory, reach the GPU, and are normalized and augmented there."""
+    """The data set lives on the GPU, normalized once; a batch is indexed and augmented there, no copy per step."""
     from src.train import train
 
     metrics, objects = train(make_cfg("train", [*GPU, "data.augment=true", *PROBE]))
     assert_finite(metrics, "train/loss", "test/acc")
     seen = probe_of(objects).seen
     assert {d.type for d in seen["batch_devices"]} == {"cuda"}
+    assert seen["input_dtype"] == torch.float32 and seen["loader_pins"] is False  # nothing to pin or copy
+    dm = objects["datamodule"]
+    assert dm.data_device == torch.device("cuda", 0)
+    assert all(ds.inputs.is_cuda and ds.inputs.dtype == torch.float32 for ds in (dm.data_train, dm.data_test))
+    assert dm.augmentation_generator(torch.device("cuda", 0)).device.type == "cuda"
+
+
+@gpu_test(1)
+def test_pinned_data_path_on_gpu(make_cfg):
+    """data.on_device=false (or data too large): uint8 batches come from pinned host memory, reach the GPU, and
+    are normalized and augmented there."""
+    from src.train import train
+
+    metrics, objects = train(make_cfg("train", [*GPU, "data.augment=true", "data.on_device=false", *PROBE]))
+    assert_finite(metrics, "train/loss", "test/acc")
+    seen = probe_of(objects).seen
+    assert {d.type for d in seen["batch_devices"]} == {"cuda"}
     assert seen["input_dtype"] == torch.float32  # the uint8 batch was transformed after the transfer
     assert seen["loader_pins"] is True
     dm = objects["datamodule"]
+    assert dm.data_device is None and dm.data_train.inputs.dtype == torch.uint8
     assert dm.pin_memory and next(iter(dm.train_dataloader()))[0].is_pinned()
-    assert dm.augmentation_generator(torch.device("cuda", 0)).device.type == "cuda"
+
+
+class NoSyncWindow(Callback):
+    """Test-only: training steps ``start + 1 .. start + steps`` of the first epoch run under
+    ``torch.cuda.set_sync_debug_mode("error")``: any host-device sync in them (a blocking copy, ``.item()``,
+    ``nonzero``...) raises where it happens, whichever callback, metric or loop it is in."""
+
+    def __init__(self, start: int = 5, steps: int = 30) -> None:
+        self.start, self.steps, self.checked = start, steps, 0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if trainer.current_epoch != 0:
+            return
+        if batch_idx == self.start:
+            torch.cuda.set_sync_debug_mode("error")
+        elif self.start < batch_idx <= self.start + self.steps:
+            self.checked += 1
+            if batch_idx == self.start + self.steps:
+                torch.cuda.set_sync_debug_mode(0)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@gpu_test(1)
+@pytest.mark.parametrize("workload", ["mlp", "mlp-pinned", "resnet18"])
+def test_steady_steps_on_gpu_never_sync(make_cfg, synthetic_cifar10, workload):
+    """The default callbacks, logger and metrics, in bf16-mixed: 30 steady steps without a host-device sync."""
+    from src.train import train
+
+    skip_without_bf16("bf16-mixed")
+    data = {"mlp": ["data.augment=true"], "mlp-pinned": ["data.augment=true", "data.on_device=false"],
+            "resnet18": ["data=cifar10", "model=resnet18", f"data.data_dir={synthetic_cifar10}",
+                         "data.verify_checksums=false", "data.val_size=100", "data.batch_size=4"]}[workload]
+    overrides = [*GPU, "trainer.precision=bf16-mixed", *data, "++trainer.limit_train_batches=40",
+                 "+callbacks.no_sync._target_=tests.test_gpu.NoSyncWindow"]
+    metrics, objects = train(make_cfg("train", overrides))
+    assert_finite(metrics, "train/loss", "test/acc")
+    assert next(cb for cb in objects["callbacks"] if isinstance(cb, NoSyncWindow)).checked == 30
 
 
 # -- 2 GPUs -------------------------------------------------------------------------------------------------

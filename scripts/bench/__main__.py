@@ -5,6 +5,7 @@
     python -m scripts.bench --full                            # whole epochs, 10-epoch accuracy, 3 rounds
     python -m scripts.bench --suite compile --epochs 4        # torch.compile: cost, gain per step, break-even
     python -m scripts.bench --suite throughput --accelerator gpu --precision bf16-mixed   # on a CUDA GPU
+    python -m scripts.bench --suite throughput --workload resnet18 --accelerator gpu --precision bf16-mixed
 
 ``--accelerator``/``--precision`` go to every contender of the throughput, start-up and accuracy
 suites (the project as ``trainer.accelerator=...``/``trainer.precision=...``); the DDP suite stays on
@@ -24,7 +25,7 @@ from datetime import datetime
 from pathlib import Path
 
 from scripts.bench import report, suites
-from scripts.bench.contenders import ACCELERATORS, PRECISIONS, ROOT
+from scripts.bench.contenders import ACCELERATORS, PRECISIONS, ROOT, WORKLOADS
 from scripts.bench.context import Bench, Settings, SuiteResult, cpu_count
 
 QUICK = dict(rounds=2, epochs=3, limit_train_batches=150, accuracy_epochs=3)
@@ -49,6 +50,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
                         help="where the throughput, start-up and accuracy contenders train (gpu: CUDA device 0)")
     parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
                         help="their precision (bf16-mixed: forward and loss under bf16 autocast)")
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="mlp",
+                        help="throughput suite: mlp (Fashion-MNIST, batch 128) or resnet18 (synthetic CIFAR-10 files, "
+                             "batch 256: speed only; the plain loop against the project, no per-sample or bare runs)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDE[,OVERRIDE...]",
+                        help="throughput suite: also run the project with these Hydra overrides, as contender "
+                             "'project NAME', e.g. --variant pinned=data.on_device=false (repeatable)")
     parser.add_argument("--no-paired", action="store_true",
                         help="skip the throughput suite's paired-step runs (2 of its 5 runs per round)")
     parser.add_argument("--no-tty", action="store_true", help="pipe the contenders' output instead of a terminal")
@@ -70,10 +77,17 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     if args.batch_size and args.batch_size % args.nproc:
         parser.error(f"--batch-size {args.batch_size} must divide evenly across --nproc {args.nproc} ranks")
     workers = tuple(int(w) for w in args.workers.split(",") if w.strip())
+    variants = []
+    for text in args.variant:
+        name, _, overrides = text.partition("=")
+        if not name or not overrides:
+            parser.error(f"--variant {text!r}: write NAME=OVERRIDE[,OVERRIDE...], e.g. pinned=data.on_device=false")
+        variants.append((name, tuple(overrides.split(","))))
     args.suite = chosen
     return args, Settings(**pick, threads=args.threads, workers=workers, nproc=args.nproc, tty=not args.no_tty,
                           full=args.full, quiet_wait=args.quiet_wait, batch_size=args.batch_size,
-                          accelerator=args.accelerator, precision=args.precision, paired=not args.no_paired)
+                          accelerator=args.accelerator, precision=args.precision, paired=not args.no_paired,
+                          workload=args.workload, variants=tuple(variants))
 
 
 def header(argv: list[str], settings: Settings) -> dict:
@@ -115,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from scripts.bench.data_pipeline import ensure_data
 
-    ensure_data()
+    ensure_data(args.workload)
     info = header(argv, settings)
     print(f"bench: {', '.join(args.suite)} -> {out}\n  settings: {settings}", flush=True)
     bench = Bench(out, settings)

@@ -32,6 +32,7 @@ from scripts.bench.plain_loop import (
     device_arguments,
     in_memory_batches,
     load_split,
+    normalize,
     refuse_unavailable,
     save_checkpoint,
     torch_device,
@@ -106,7 +107,7 @@ class BareModule(L.LightningModule):
         self.sums.pop("test", None)
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.net.parameters(), lr=self.lr)
+        return torch.optim.Adam(self.net.parameters(), lr=self.lr, fused=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--paired", default=None, help="also time an interleaved plain step; write to this JSON")
     args = device_arguments(parser).parse_args(argv)
     refuse_unavailable(args)
+    if args.workload != "mlp":
+        parser.error("bare Lightning runs the mlp workload only")
 
     device = torch_device(args.accelerator)
     timeline = Timeline(rank_path(args.timeline, 0), cuda=device.type == "cuda") if args.timeline else None
@@ -121,9 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
     x, y, train_idx, val_idx = train_val_split(args.data_dir, args.seed)
     x_test, y_test = load_split(args.data_dir, train=False)
     x_train, y_train, x_val, y_val = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
-    if device.type == "cuda":  # the whole uint8 data set on the device, as the plain loop holds it
-        x_train, y_train, x_val, y_val, x_test, y_test = (
-            t.to(device) for t in (x_train, y_train, x_val, y_val, x_test, y_test))
+    # the whole data set on the training device, normalized there once, as the plain loop holds it
+    x_train, x_val, x_test = (normalize(t.to(device)) for t in (x_train, x_val, x_test))
+    y_train, y_val, y_test = (t.to(device) for t in (y_train, y_val, y_test))
     module = BareModule(args.lr, timeline, checkpoint_file(args, "bare_lightning"))
     callbacks = [PairedPlainStep(args.paired, args.data_dir, args.lr, args.seed)] if args.paired else []
     trainer = L.Trainer(barebones=True, accelerator=args.accelerator, devices=1, precision=args.precision,

@@ -17,9 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_BATCH = 128  # configs/data/fashion_mnist.yaml
 ACCELERATORS = ("cpu", "gpu")  # Lightning's names; gpu = CUDA
 PRECISIONS = ("32-true", "bf16-mixed")
+# workload -> (default global batch, the project's overrides). resnet18 trains on SYNTHETIC CIFAR-10 files
+# (`make synthetic-cifar10`): speed only, their accuracy means nothing.
+SYNTHETIC_CIFAR10 = ROOT / "data" / "synthetic_cifar10"
+WORKLOADS = {
+    "mlp": (128, ()),
+    "resnet18": (256, ("data=cifar10", "model=resnet18", f"data.data_dir={SYNTHETIC_CIFAR10}",
+                       "data.verify_checksums=false")),
+}
 _CLUSTER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
 
@@ -33,10 +40,11 @@ class Work:
     batch_size: int | None = None  # global; None = the project config's (128)
     accelerator: str = "cpu"  # cpu | gpu (Lightning's names)
     precision: str = "32-true"  # 32-true | bf16-mixed
+    workload: str = "mlp"  # a key of WORKLOADS
 
     @property
     def global_batch(self) -> int:
-        return self.batch_size or DEFAULT_BATCH
+        return self.batch_size or WORKLOADS[self.workload][0]
 
 
 def env(threads: int) -> dict[str, str]:
@@ -51,12 +59,12 @@ def env(threads: int) -> dict[str, str]:
 
 def project(work: Work, prefix: Path, run_dir: Path, *overrides: str) -> list[str]:
     """``python src/train.py`` with its defaults, plus the bench timeline callback."""
-    cmd = [sys.executable, "src/train.py", f"trainer.max_epochs={work.epochs}", f"hydra.run.dir={run_dir}",
-           "+callbacks.bench_timer._target_=scripts.bench.step_timer.StepTimer",
+    cmd = [sys.executable, "src/train.py", *WORKLOADS[work.workload][1], f"trainer.max_epochs={work.epochs}",
+           f"hydra.run.dir={run_dir}", "+callbacks.bench_timer._target_=scripts.bench.step_timer.StepTimer",
            f"+callbacks.bench_timer.prefix={prefix}", *overrides,
            f"trainer.accelerator={work.accelerator}", f"trainer.precision={work.precision}"]
-    if work.batch_size:
-        cmd.append(f"data.batch_size={work.batch_size}")
+    if work.batch_size or work.workload != "mlp":
+        cmd.append(f"data.batch_size={work.global_batch}")
     if work.limit_train_batches:
         cmd.append(f"++trainer.limit_train_batches={work.limit_train_batches}")
     return cmd
@@ -88,8 +96,8 @@ def checkpoint_option(prefix: Path, run_dir: Path | None) -> list[str]:
 
 
 def device_options(work: Work) -> list[str]:
-    """The plain scripts' ``--accelerator`` and ``--precision``."""
-    return ["--accelerator", work.accelerator, "--precision", work.precision]
+    """The plain scripts' ``--accelerator``, ``--precision`` and ``--workload``."""
+    return ["--accelerator", work.accelerator, "--precision", work.precision, "--workload", work.workload]
 
 
 def project_paired(work: Work, prefix: Path, run_dir: Path) -> list[str]:

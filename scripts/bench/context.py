@@ -28,10 +28,12 @@ class Settings:
     precision: str = "32-true"  # of the same contenders: 32-true | bf16-mixed
     device: str = ""  # the device's name (CPU model or GPU name), for the report
     paired: bool = True  # the throughput suite's paired-step runs (bare Lightning and project)
+    workload: str = "mlp"  # of the throughput and start-up suites: mlp (Fashion-MNIST) | resnet18 (CIFAR-10-shaped)
+    variants: tuple[tuple[str, tuple[str, ...]], ...] = ()  # throughput: extra project runs, (name, overrides)
 
     def on_device(self) -> dict[str, str]:
-        """The accelerator and precision every single-process contender gets (``contenders.Work`` fields)."""
-        return {"accelerator": self.accelerator, "precision": self.precision}
+        """The accelerator, precision and workload every single-process contender gets (``contenders.Work``)."""
+        return {"accelerator": self.accelerator, "precision": self.precision, "workload": self.workload}
 
     def device_label(self) -> str:
         """E.g. ``gpu (NVIDIA H100 80GB HBM3), bf16-mixed``, for suite titles."""
@@ -76,14 +78,16 @@ class Bench:
         self.runs: list[measure.Run] = []
         (out / "logs").mkdir(parents=True, exist_ok=True)
 
-    def run(self, name: str, make_cmd, world_size: int = 1, threads: int | None = None) -> measure.Run:
+    def run(self, name: str, make_cmd, world_size: int = 1, threads: int | None = None,
+            extra_env: dict[str, str] | None = None) -> measure.Run:
         """Run one contender; ``make_cmd(prefix, run_dir)`` builds its command. Prints a one-line summary."""
         prefix = self.out / "timelines" / name
         run_dir = self.out / "runs" / name
         if self.settings.quiet_wait > 0:
             measure.wait_until_quiet(self.settings.quiet_wait)
+        env = {**contenders.env(threads or self.settings.threads), **(extra_env or {})}
         run = measure.run(name, make_cmd(prefix, run_dir), prefix, self.out / "logs" / f"{name}.log",
-                          contenders.env(threads or self.settings.threads), ROOT, world_size, self.settings.tty)
+                          env, ROOT, world_size, self.settings.tty)
         self.runs.append(run)
         status = f"{run.wall_s:6.1f} s" if run.ok else f"FAILED ({run.error()})"
         print(f"  {name:<36} {status}   other processes: {run.other_load:.2f} cores", flush=True)

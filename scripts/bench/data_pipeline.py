@@ -1,17 +1,19 @@
 """Time the input pipelines alone (no model): how much of a training step is spent making the batch.
 
-The project's batch is one index op on uint8 tensors (``InMemoryDataset.__getitems__``) plus
-whole-batch normalization (``MNISTDataModule.transform_batch``, run by ``on_after_batch_transfer``);
-the per-sample pipeline builds each image through PIL, ``ToTensor`` and ``Normalize`` and collates.
+The project's batch is one index op on the data set, normalized once and held on the training device
+(``InMemoryDataset.__getitems__``; ``data.on_device=auto``), plus its augmentation
+(``transform_batch``, run by ``on_after_batch_transfer``); the per-sample pipeline builds each image
+through PIL, ``ToTensor`` and ``Normalize`` and collates.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 
-from scripts.bench.contenders import ROOT
+from scripts.bench.contenders import ROOT, SYNTHETIC_CIFAR10
 
 
 def _ms_per_batch(batches, transform, count: int, skip: int = 2, sync=lambda: None) -> float:
@@ -28,23 +30,20 @@ def _ms_per_batch(batches, transform, count: int, skip: int = 2, sync=lambda: No
 
 
 def project_batch_ms(batch_size: int = 128, count: int = 200, accelerator: str = "cpu") -> float:
-    """ms to fetch and normalize one training batch with the project's Fashion-MNIST DataModule.
+    """ms to fetch and transform one training batch with the project's Fashion-MNIST DataModule, its data
+    placed as a trainer on ``accelerator`` places it (on a GPU: timed up to ``torch.cuda.synchronize()``)."""
+    from types import SimpleNamespace
 
-    ``accelerator="gpu"``: as the project trains on a GPU, the uint8 batch is copied from pinned memory
-    and normalized on the device (timed up to ``torch.cuda.synchronize()``).
-    """
     from src.data.mnist_datamodule import MNISTDataModule
 
-    pin = accelerator == "gpu"
-    dm = MNISTDataModule(data_dir=str(ROOT / "data"), batch_size=batch_size, pin_memory=pin,
+    device = torch.device("cuda" if accelerator == "gpu" else "cpu")
+    dm = MNISTDataModule(data_dir=str(ROOT / "data"), batch_size=batch_size,
                          system_dir="/usr/share/datasets/fashion-mnist")
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=device), global_rank=0)  # what setup reads
     dm.prepare_data()
     dm.setup("fit")
-    if not pin:
-        return _ms_per_batch(dm.train_dataloader(), lambda x: dm.transform_batch(x, training=True), count)
-    device = torch.device("cuda")
-    return _ms_per_batch(dm.train_dataloader(), lambda x: dm.transform_batch(x.to(device, non_blocking=True), True),
-                         count, sync=torch.cuda.synchronize)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    return _ms_per_batch(dm.train_dataloader(), lambda x: dm.transform_batch(x, training=True), count, sync=sync)
 
 
 def per_sample_batch_ms(workers: int, batch_size: int = 128, count: int = 100) -> float:
@@ -55,11 +54,17 @@ def per_sample_batch_ms(workers: int, batch_size: int = 128, count: int = 100) -
     return _ms_per_batch(loader, lambda x: x, count)
 
 
-def ensure_data() -> None:
-    """Extract Fashion-MNIST into ``data/`` (as ``src/train.py`` would) so the plain scripts find it."""
+def ensure_data(workload: str = "mlp") -> None:
+    """Extract Fashion-MNIST into ``data/`` (as ``src/train.py`` would) so the plain scripts find it; for the
+    resnet18 workload, write the synthetic CIFAR-10 files (``make synthetic-cifar10``) if they are missing."""
     from src.data.mnist_datamodule import MNISTDataModule
 
     MNISTDataModule(data_dir=str(ROOT / "data"), system_dir="/usr/share/datasets/fashion-mnist").prepare_data()
+    if workload == "resnet18" and not (SYNTHETIC_CIFAR10 / "cifar-10-batches-py").is_dir():
+        import subprocess
+
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_cifar10.py"), "--out",
+                        str(SYNTHETIC_CIFAR10)], check=True)
 
 
 def in_threads(threads: int, fn, *args):

@@ -7,7 +7,7 @@ Lightning's loop plus what the run adds on top (progress bar, logging, callbacks
 
 The Lightning step is timed from the end of this callback's previous call to the start of its next
 one, so it holds everything Lightning and the other callbacks do per step. The plain step is the
-``plain_loop`` step: gather and normalize a batch, forward, loss, zero_grad, backward, Adam step, and
+``plain_loop`` step: gather a batch (normalized once), forward, loss, zero_grad, backward, Adam step, and
 tensor-side loss/accuracy sums, on the trainer's device (the data set held there, as ``plain_loop``
 holds it on a GPU) and under its precision (``bf16-mixed``: forward and loss under bf16 autocast). On a
 GPU each timer is read after ``torch.cuda.synchronize()``, so each step's time holds its device work.
@@ -31,6 +31,7 @@ from scripts.bench.plain_loop import (
     autocast_for,
     build_mlp,
     in_memory_batches,
+    normalize,
     synchronize,
     train_step,
     train_val_split,
@@ -57,9 +58,9 @@ class PairedPlainStep(Callback):
         self.precision = trainer.precision
         self.autocast = autocast_for(device, self.precision)
         x, y, train_idx, _ = train_val_split(self.data_dir, self.seed)
-        self.x, self.y = x[train_idx].to(device), y[train_idx].to(device)
+        self.x, self.y = normalize(x[train_idx].to(device)), y[train_idx].to(device)
         self.net = build_mlp().to(device)
-        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr)
+        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr, fused=True)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.correct = torch.zeros((), dtype=torch.long, device=device)
 

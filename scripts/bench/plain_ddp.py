@@ -63,7 +63,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
     for start in range(0, len(shard), batch):
         idx = shard[start:start + batch]
-        out, yb = model.module(normalize(x.index_select(0, idx))), y.index_select(0, idx)
+        out, yb = model.module(x.index_select(0, idx)), y.index_select(0, idx)
         sums += torch.stack([F.cross_entropy(out, yb, reduction="sum").double(),
                              (out.argmax(1) == yb).sum().double(), torch.tensor(len(idx), dtype=torch.float64)])
     model.train()
@@ -78,12 +78,13 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     timeline = Timeline(rank_path(args.timeline, rank), rank=rank) if args.timeline else None
     torch.manual_seed(args.seed)  # same seed on every rank: replicas start identical (DDP also broadcasts)
     x, y, train_idx, val_idx = train_val_split(args.data_dir, args.seed)
-    x_train, y_train, x_val, y_val = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
+    x_train, y_train, x_val, y_val = normalize(x[train_idx]), y[train_idx], normalize(x[val_idx]), y[val_idx]
     x_test, y_test = load_split(args.data_dir, train=False)
+    x_test = normalize(x_test)
     per_rank = args.batch_size // world_size
 
     model = DDP(build_mlp())
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
     checkpoint = checkpoint_file(args, "plain_ddp")
     sampler = DistributedSampler(range(len(x_train)), num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     for epoch in range(args.epochs):
@@ -97,7 +98,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
             steps = min(steps, args.limit_train_batches)
         for step in range(steps):
             idx = order[step * per_rank:(step + 1) * per_rank]
-            xb, yb = normalize(x_train.index_select(0, idx)), y_train.index_select(0, idx)
+            xb, yb = x_train.index_select(0, idx), y_train.index_select(0, idx)
             loss = F.cross_entropy(model(xb), yb)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -3,24 +3,31 @@
     python -m scripts.bench.plain_loop --epochs 3                      # in-memory batches
     python -m scripts.bench.plain_loop --data per_sample --workers 2   # torchvision per-sample pipeline
     python -m scripts.bench.plain_loop --accelerator gpu --precision bf16-mixed
+    python -m scripts.bench.plain_loop --workload resnet18 --batch-size 256 --accelerator gpu --precision bf16-mixed
 
 Same work as ``python src/train.py``: the same 55,000/5,000 train/val split (same seeded
-permutation), MLP 784-512-256-10 with dropout 0.1, Adam (lr 1e-3), batch 128 with the last
+permutation), MLP 784-512-256-10 with dropout 0.1, fused Adam (lr 1e-3), batch 128 with the last
 incomplete batch dropped, validation and a checkpoint (model and optimizer state, ``torch.save``)
 after every epoch, test at the end. Batches are ``index_select`` on the in-memory uint8 tensors, read
 from the IDX files by a few lines of numpy (torchvision is imported only for ``--data per_sample``).
-Train loss/accuracy are accumulated on tensors (no host sync per step), as careful plain code would.
+The data set is normalized once, before training. Train loss/accuracy are accumulated on tensors (no
+host sync per step), as careful plain code would.
 
-On a GPU (``--accelerator gpu``) the model lives on the device and so does the whole uint8 data set
-(47 MB), so a batch is one index op and the same normalization, both on the device; the per-sample
-pipeline's batches come from pinned memory with non-blocking copies. Timers are read after
+On a GPU (``--accelerator gpu``) the model lives on the device and so does the whole data set (moved as
+uint8, normalized there), so a batch is one index op on the device, with the shuffle drawn there too;
+the per-sample pipeline's batches come from pinned memory with non-blocking copies. Timers are read after
 ``torch.cuda.synchronize()``. ``--precision bf16-mixed`` runs forward and loss (training and
 evaluation) under ``torch.autocast(device_type, dtype=torch.bfloat16)``, as Lightning's bf16-mixed does.
+
+``--workload resnet18``: the project's ResNet18 on CIFAR-10-shaped data (``data/synthetic_cifar10``, read
+with ``pickle`` as the CIFAR-10 page shows), normalized once, with a random crop (padding 4) and flip of
+each training batch on its device.
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from scripts.bench.contenders import ACCELERATORS, PRECISIONS
+from scripts.bench.contenders import ACCELERATORS, PRECISIONS, SYNTHETIC_CIFAR10, WORKLOADS
 from scripts.bench.per_sample_pipeline import FASHION_MEAN, FASHION_STD
 from scripts.bench.timeline import Timeline, rank_path
 
@@ -140,18 +147,54 @@ def build_mlp(hidden: tuple[int, ...] = (512, 256), dropout: float = 0.1, classe
 
 
 def normalize(images: Tensor) -> Tensor:
+    """uint8 images to normalized float32, once for the whole data set."""
     return (images.float().div_(255.0) - FASHION_MEAN[0]) / FASHION_STD[0]
 
 
-def in_memory_batches(x: Tensor, y: Tensor, batch: int, shuffle: bool, drop_last: bool) -> Iterator[tuple[Tensor, Tensor]]:
-    """Whole batches by one ``index_select`` on the stored tensors, normalized per batch (on their device)."""
-    order = torch.randperm(len(x)) if shuffle else torch.arange(len(x))  # the CPU generator on every device
-    if x.device.type != "cpu":
-        order = order.to(x.device)  # once per pass
+def in_memory_batches(x: Tensor, y: Tensor, batch: int, shuffle: bool, drop_last: bool,
+                      augment: Callable[[Tensor], Tensor] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+    """Whole batches by one ``index_select`` on the stored (normalized) tensors, on their device."""
+    order = torch.randperm(len(x), device=x.device) if shuffle else torch.arange(len(x), device=x.device)
     stop = len(x) - len(x) % batch if drop_last else len(x)
     for start in range(0, stop, batch):
         idx = order[start:start + batch]
-        yield normalize(x.index_select(0, idx)), y.index_select(0, idx)
+        xb = x.index_select(0, idx)
+        yield (augment(xb) if augment else xb), y.index_select(0, idx)
+
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
+
+
+def read_cifar10(data_dir: str, train: bool) -> tuple[Tensor, Tensor]:
+    """uint8 images ``(N, 3, 32, 32)`` and int64 labels from ``data_dir/cifar-10-batches-py``."""
+    folder = Path(data_dir) / "cifar-10-batches-py"
+    images, labels = [], []
+    for name in [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]:
+        with open(folder / name, "rb") as f:
+            entry = pickle.load(f, encoding="latin1")
+        images.append(entry["data"])
+        labels += entry["labels"]
+    return torch.from_numpy(np.concatenate(images).reshape(-1, 3, 32, 32)), torch.tensor(labels)
+
+
+def resnet18_workload(data_dir: str, seed: int, device: torch.device):
+    """The ResNet18 work: the net, normalized splits on ``device``, and the training-batch augmentation."""
+    from src.data.components.batch_transforms import random_crop, random_hflip  # the project's batch-wise ops
+    from src.models.components.resnet18 import ResNet18  # the same architecture as model=resnet18
+
+    mean = torch.tensor(CIFAR10_MEAN, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR10_STD, device=device).view(1, 3, 1, 1)
+    x, y = read_cifar10(data_dir, train=True)
+    train_idx, val_idx = train_val_indices(len(x), 5000, seed)
+    x_test, y_test = read_cifar10(data_dir, train=False)
+    splits = [(x[train_idx], y[train_idx]), (x[val_idx], y[val_idx]), (x_test, y_test)]
+    splits = [((t.to(device).float() / 255 - mean) / std, labels.to(device)) for t, labels in splits]
+    black, generator = (0 - mean) / std, torch.Generator(device=device).manual_seed(seed)
+
+    def augment(images: Tensor) -> Tensor:
+        return random_hflip(random_crop(images, 4, generator, fill=black), generator=generator)
+
+    return ResNet18(in_channels=3, num_classes=10).to(device), splits, augment
 
 
 @torch.no_grad()
@@ -177,7 +220,7 @@ def evaluate(net: nn.Module, batches, device: torch.device | None = None,
 
 
 def make_batches(args, x: Tensor, y: Tensor, train: bool, dataset_train: bool, indices: Tensor | None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, augment: Callable[[Tensor], Tensor] | None = None):
     """A fresh iterable of batches for one pass, from memory or from the per-sample pipeline.
 
     In memory, batches are made where ``x`` and ``y`` are; per-sample batches are copied to ``device``
@@ -191,7 +234,8 @@ def make_batches(args, x: Tensor, y: Tensor, train: bool, dataset_train: bool, i
                                    args.batch_size, args.workers, shuffle=train, pin_memory=cuda)
         return _ToDevice(loader, device) if cuda else loader
     steps = len(x) // args.batch_size if train else -(-len(x) // args.batch_size)
-    return _Reiterable(lambda: in_memory_batches(x, y, args.batch_size, shuffle=train, drop_last=train), steps)
+    return _Reiterable(lambda: in_memory_batches(x, y, args.batch_size, shuffle=train, drop_last=train,
+                                                 augment=augment), steps)
 
 
 class _Reiterable:
@@ -251,6 +295,8 @@ def device_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--accelerator", choices=ACCELERATORS, default="cpu", help="gpu: CUDA device 0")
     parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
                         help="bf16-mixed: forward and loss under torch.autocast(dtype=torch.bfloat16)")
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="mlp",
+                        help="mlp (Fashion-MNIST) or resnet18 (synthetic CIFAR-10 files in data/synthetic_cifar10)")
     return parser
 
 
@@ -276,17 +322,22 @@ def main(argv: list[str] | None = None) -> dict:
     autocast = autocast_for(device, args.precision)
     timeline = Timeline(rank_path(args.timeline, 0), cuda=device.type == "cuda") if args.timeline else None
     torch.manual_seed(args.seed)
-    x, y, train_idx, val_idx = train_val_split(args.data_dir, args.seed)
-    x_train, y_train, x_val, y_val = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
-    x_test, y_test = load_split(args.data_dir, train=False)
-    if device.type == "cuda" and args.data == "in_memory":  # the whole uint8 data set on the device, once
-        x_train, y_train, x_val, y_val, x_test, y_test = (
-            t.to(device) for t in (x_train, y_train, x_val, y_val, x_test, y_test))
+    augment, train_idx, val_idx = None, None, None
+    if args.workload == "resnet18":
+        net, splits, augment = resnet18_workload(str(SYNTHETIC_CIFAR10), args.seed, device)
+        (x_train, y_train), (x_val, y_val), (x_test, y_test) = splits
+    else:
+        x, y, train_idx, val_idx = train_val_split(args.data_dir, args.seed)
+        x_train, y_train, x_val, y_val = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
+        x_test, y_test = load_split(args.data_dir, train=False)
+        if args.data == "in_memory":  # the whole data set on the training device, normalized there once
+            x_train, x_val, x_test = (normalize(t.to(device)) for t in (x_train, x_val, x_test))
+            y_train, y_val, y_test = (t.to(device) for t in (y_train, y_val, y_test))
+        net = build_mlp().to(device)
 
-    net = build_mlp().to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)
+    optimizer = torch.optim.Adam(net.parameters(), lr=args.lr, fused=True)
     checkpoint = checkpoint_file(args, "plain_loop")
-    train_batches = make_batches(args, x_train, y_train, True, True, train_idx, device)
+    train_batches = make_batches(args, x_train, y_train, True, True, train_idx, device, augment)
     val_batches = make_batches(args, x_val, y_val, False, True, val_idx, device)
     steps = min(len(train_batches), args.limit_train_batches or len(train_batches))
     for epoch in range(args.epochs):

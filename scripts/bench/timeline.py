@@ -12,6 +12,10 @@ On a GPU (``cuda=True``) the work a stamp closes may still be queued on the devi
 bound a measured span (each epoch's start and end, its last step's end, the first step) wait for it with
 ``torch.cuda.synchronize()``; the other steps are stamped without waiting, so the host keeps running
 ahead of the device as it does in an unmeasured run.
+
+With ``BENCH_PROFILE_STEPS=N`` set, N steps of the second epoch are profiled
+(:mod:`scripts.bench.step_profile`) and the summary goes into the record as ``profile``. Profiled runs
+are not timed: the profiler slows the steps it watches.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from scripts.bench.step_profile import SKIP_STEPS, StepProfiler, profile_steps
 
 
 class Timeline:
@@ -36,6 +42,8 @@ class Timeline:
         self.meta: dict = {}
         self._written = False
         self._pid = os.getpid()
+        self._profile_steps = profile_steps()
+        self._profiler: StepProfiler | None = None
         atexit.register(self.dump)
 
     def epoch_start(self) -> None:
@@ -62,6 +70,16 @@ class Timeline:
         epoch = self.epochs[-1]
         epoch["steps"].append(now)
         epoch["samples"] += samples
+        if self._profile_steps and len(self.epochs) == 2:
+            self._profile(len(epoch["steps"]))
+
+    def _profile(self, step: int) -> None:
+        """Start the profiler after SKIP_STEPS steps of the second epoch; stop it N steps later."""
+        if step == SKIP_STEPS and self._profiler is None:
+            self._profiler = StepProfiler(self.cuda)
+            self._profiler.start()
+        elif step == SKIP_STEPS + self._profile_steps and self._profiler is not None:
+            self.meta["profile"] = self._profiler.stop(self._profile_steps)
 
     def dump(self) -> None:
         if self._written or os.getpid() != self._pid:  # a forked child (e.g. a DataLoader worker) never writes

@@ -16,7 +16,7 @@ from torch import Tensor
 from torchvision import datasets
 from torchvision.datasets.utils import check_integrity
 
-from src.data.components.batch_transforms import normalize, random_crop, random_hflip, to_unit_float
+from src.data.components.batch_transforms import random_crop, random_hflip
 from src.data.components.safe_unpickle import RefusedGlobal, load_numpy_pickle
 from src.data.in_memory_datamodule import InMemoryDataModule
 from src.utils.errors import DataError
@@ -90,8 +90,8 @@ class CIFAR10DataModule(InMemoryDataModule):
     """
 
     task = "classification"  # pairs with models of the same task (src/utils/config_checks.py)
-
     channels, image_size, num_classes = 3, 32, 10
+    mean, std = CIFAR10_MEAN, CIFAR10_STD
 
     def __init__(
         self,
@@ -104,11 +104,12 @@ class CIFAR10DataModule(InMemoryDataModule):
         num_workers: int = 0,
         pin_memory: bool | str = "auto",
         seed: int = 12345,
+        on_device: bool | str = "auto",
         channels: int | None = None,
         image_size: int | None = None,
         num_classes: int | None = None,
     ) -> None:
-        super().__init__(data_dir, batch_size, val_size, num_workers, pin_memory, seed)
+        super().__init__(data_dir, batch_size, val_size, num_workers, pin_memory, seed, on_device)
         self._check_shape(channels=channels, image_size=image_size, num_classes=num_classes)
 
     def prepare_data(self) -> None:
@@ -140,9 +141,9 @@ class CIFAR10DataModule(InMemoryDataModule):
             ) from err
         return torch.from_numpy(data).contiguous(), torch.as_tensor(labels, dtype=torch.long)  # NCHW, uint8
 
-    def transform_batch(self, inputs: Tensor, training: bool) -> Tensor:
-        images = to_unit_float(inputs)
-        if training and self.hparams.augment:
-            generator = self.augmentation_generator(images.device)
-            images = random_hflip(random_crop(images, padding=4, generator=generator), generator=generator)
-        return normalize(images, CIFAR10_MEAN, CIFAR10_STD)
+    def augment(self, images: Tensor) -> Tensor:
+        if not self.hparams.augment:
+            return images
+        generator = self.augmentation_generator(images.device)
+        images = random_crop(images, padding=4, generator=generator, fill=self.black(images.device))
+        return random_hflip(images, generator=generator)

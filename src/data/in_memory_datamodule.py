@@ -11,6 +11,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from src.data.components.batch_transforms import normalize, to_unit_float
 from src.data.components.global_batch import per_replica_batch_size
 from src.data.components.in_memory import InMemoryDataset, keep_batch
 from src.data.components.resumable_loader import EpochShuffle, ResumableDataLoader
@@ -34,16 +35,24 @@ class InMemoryDataModule(LightningDataModule):
       are computed over every sample exactly once and match a single-device run.
     * Augmentation draws from this rank's own generator (:meth:`augmentation_generator`), so the
       ranks of a DDP run crop and flip differently.
-    * ``pin_memory="auto"`` pins the loaders' batches when the trainer runs on a GPU.
+    * Where the data lives (``on_device``): with ``auto``, on the trainer's GPU when it fits in a quarter
+      of the free memory, so a batch is one indexing op there and nothing crosses PCIe per step; on a CPU
+      trainer, in host memory. Either way image data is normalized once at set-up, which is exact: a
+      crop pads with the normalized value of black. Otherwise (a GPU, ``on_device: false`` or too large)
+      uint8 batches are copied from pinned memory (``pin_memory="auto"``) and normalized on the device.
     * Training can resume mid-epoch, bit-exact: each epoch's order comes from ``(seed, epoch)``, the
       loader's position is saved in checkpoints (:mod:`src.data.components.resumable_loader`), the
       loaders never draw from the global RNG, and :meth:`generator_states` exposes the augmentation
       streams to :class:`~src.callbacks.resume_state.ResumeRandomState`.
 
-    Subclasses implement :meth:`load_split` and :meth:`transform_batch`.
+    Subclasses implement :meth:`load_split`, set ``mean``/``std`` for uint8 image data, and may
+    :meth:`augment` training batches.
     """
 
     batch_size_is_global = True  # the pre-flight checks the global-batch rule for DataModules that say so
+    mean: tuple[float, ...] | None = None  # per-channel statistics of uint8 images; None: inputs used as they are
+    std: tuple[float, ...] | None = None
+    ON_DEVICE_SHARE = 0.25  # on_device=auto: the data may take this share of the GPU's free memory
 
     def __init__(
         self,
@@ -53,10 +62,13 @@ class InMemoryDataModule(LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool | str = "auto",
         seed: int = 12345,
+        on_device: bool | str = "auto",
     ) -> None:
         super().__init__()
         if pin_memory not in (True, False, "auto"):
             raise ConfigError(f"data.pin_memory must be true, false or auto (true on a GPU), got {pin_memory!r}")
+        if on_device not in (True, False, "auto"):
+            raise ConfigError(f"data.on_device must be true, false or auto (on the GPU when it fits), got {on_device!r}")
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ConfigError(f"data.batch_size must be a positive integer (global batch), got {batch_size!r}")
         if val_size < 0:
@@ -65,7 +77,9 @@ class InMemoryDataModule(LightningDataModule):
         self.data_train: InMemoryDataset | None = None
         self.data_val: InMemoryDataset | None = None
         self.data_test: InMemoryDataset | None = None
+        self.data_device: torch.device | None = None  # where the datasets live once placed (None: host, uint8)
         self._augment_generators: dict[tuple[torch.device, int], torch.Generator] = {}
+        self._black: dict[torch.device, Tensor] = {}
 
     def _check_shape(self, **given: int | None) -> None:
         """Configs repeat the data shape for models to interpolate; it must match the dataset."""
@@ -79,9 +93,29 @@ class InMemoryDataModule(LightningDataModule):
         """Return ``(inputs, targets)`` tensors of the train or test split."""
         raise NotImplementedError
 
+    def augment(self, images: Tensor) -> Tensor:
+        """Random augmentation of a normalized training batch, drawn from :meth:`augmentation_generator` (none
+        by default)."""
+        return images
+
+    # -- model input ---------------------------------------------------------------
+    def normalize(self, inputs: Tensor) -> Tensor:
+        """uint8 images to normalized float32 (per channel); other inputs, and normalized ones, unchanged."""
+        if self.mean is None or inputs.is_floating_point():
+            return inputs
+        return normalize(to_unit_float(inputs), self.mean, self.std)
+
+    def black(self, device: torch.device) -> Tensor:
+        """A black pixel after :meth:`normalize`, per channel ``(1, C, 1, 1)``: the border of a crop."""
+        if device not in self._black:
+            zero = torch.zeros((1, len(self.mean), 1, 1), dtype=torch.uint8, device=device)
+            self._black[device] = self.normalize(zero)
+        return self._black[device]
+
     def transform_batch(self, inputs: Tensor, training: bool) -> Tensor:
-        """Turn a stored batch into model input (normalize; augment when ``training``)."""
-        return inputs
+        """Turn a stored batch (uint8, or normalized at set-up) into model input; augment when ``training``."""
+        images = self.normalize(inputs)
+        return self.augment(images) if training else images
 
     # -- Lightning hooks ---------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
@@ -99,6 +133,37 @@ class InMemoryDataModule(LightningDataModule):
         self.data_train = InMemoryDataset(inputs[train_idx], targets[train_idx])
         self.data_val = InMemoryDataset(inputs[val_idx], targets[val_idx])
         self.data_test = InMemoryDataset(*self.load_split(train=False))
+        self._place()
+
+    def _place(self) -> None:
+        """Move the datasets where they are used and normalize them once (see the class docstring)."""
+        device = self._placement()
+        if device is None:
+            return
+        datasets = (self.data_train, self.data_val, self.data_test)
+        for ds in datasets:  # uint8 crosses to the device, then it is normalized there
+            ds.inputs, ds.targets = self.normalize(ds.inputs.to(device)), ds.targets.to(device)
+        self.data_device = device
+        where = "the GPU" if device.type == "cuda" else "host memory"
+        log.info(f"data on {device} ({where}), normalized once: {sum(ds.nbytes for ds in datasets) / 2**20:.0f} MiB",
+                 rank=None)
+
+    def _placement(self) -> torch.device | None:
+        """The device the datasets live on: the trainer's (GPU when they fit, or CPU); None keeps host uint8."""
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        if device is None or self.hparams.on_device is False:
+            return None
+        if device.type == "cpu":
+            return device
+        if device.type != "cuda":
+            return device if self.hparams.on_device is True else None
+        need = 4 * sum(ds.inputs.numel() for ds in (self.data_train, self.data_val, self.data_test))
+        fits = need <= self.ON_DEVICE_SHARE * torch.cuda.mem_get_info(device)[0]
+        if self.hparams.on_device is True or fits:
+            return device
+        log.info(f"data ({need / 2**20:.0f} MiB as float32) does not fit in {self.ON_DEVICE_SHARE:.0%} of the free "
+                 f"memory of {device}: uint8 batches are copied from pinned memory instead", rank=None)
+        return None
 
     def train_dataloader(self) -> DataLoader:
         if len(self.data_train) < self.batch_size_per_replica * self._replicas()[0]:
@@ -141,11 +206,14 @@ class InMemoryDataModule(LightningDataModule):
 
     @property
     def pin_memory(self) -> bool:
-        """``data.pin_memory``; ``auto`` pins when the trainer runs on a GPU.
+        """``data.pin_memory``; ``auto`` pins when the trainer runs on a GPU and the data is on the host.
 
         Lightning copies a batch to the GPU with ``non_blocking=True``, which overlaps the copy with
-        compute only from page-locked (pinned) memory. On a CPU run pinning is a wasted copy.
+        compute only from page-locked (pinned) memory. On a CPU run pinning is a wasted copy, and data
+        already on the GPU is not copied at all.
         """
+        if self.data_device is not None and self.data_device.type != "cpu":
+            return False
         if self.hparams.pin_memory != "auto":
             return bool(self.hparams.pin_memory)
         return isinstance(getattr(self.trainer, "accelerator", None), CUDAAccelerator)
@@ -173,7 +241,9 @@ class InMemoryDataModule(LightningDataModule):
             self.augmentation_generator(torch.device(device)).set_state(state)
 
     def _loader(self, dataset: InMemoryDataset, loader_class: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
-        workers = self.hparams.num_workers
+        # batches of data on a GPU are made in this process: worker processes cannot use its memory
+        on_gpu = self.data_device is not None and self.data_device.type != "cpu"
+        workers = 0 if on_gpu else self.hparams.num_workers
         return loader_class(
             dataset,
             batch_size=self.batch_size_per_replica,

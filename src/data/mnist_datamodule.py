@@ -11,7 +11,7 @@ from torchvision import datasets
 from torchvision.datasets.mnist import read_image_file, read_label_file
 from torchvision.datasets.utils import extract_archive
 
-from src.data.components.batch_transforms import normalize, random_crop, random_hflip, to_unit_float
+from src.data.components.batch_transforms import random_crop, random_hflip
 from src.data.components.data_dir import check_writable_dir
 from src.data.in_memory_datamodule import InMemoryDataModule
 from src.utils.errors import DataError
@@ -47,6 +47,7 @@ class MNISTDataModule(InMemoryDataModule):
         num_workers: int = 0,
         pin_memory: bool | str = "auto",
         seed: int = 12345,
+        on_device: bool | str = "auto",
         channels: int | None = None,
         image_size: int | None = None,
         num_classes: int | None = None,
@@ -54,7 +55,7 @@ class MNISTDataModule(InMemoryDataModule):
     ) -> None:
         if dataset not in _DATASETS:
             raise DataError(f"unknown data.dataset={dataset!r}; choose one of {sorted(_DATASETS)}")
-        super().__init__(data_dir, batch_size, val_size, num_workers, pin_memory, seed)
+        super().__init__(data_dir, batch_size, val_size, num_workers, pin_memory, seed, on_device)
         self._check_shape(channels=channels, image_size=image_size, num_classes=num_classes)
         self.dataset_cls, self.mean, self.std = _DATASETS[dataset]
         self.system_dir = system_dir if system_dir is not None else SYSTEM_DIRS.get(dataset)
@@ -122,14 +123,14 @@ class MNISTDataModule(InMemoryDataModule):
             )
         return images.unsqueeze(1).contiguous(), labels.long()
 
-    def transform_batch(self, inputs: Tensor, training: bool) -> Tensor:
-        images = to_unit_float(inputs)
-        if training and self.hparams.augment:
-            generator = self.augmentation_generator(images.device)
-            images = random_crop(images, padding=2, generator=generator)
-            if self.hparams.dataset == "fashion_mnist":  # clothing is left-right symmetric; digits are not
-                images = random_hflip(images, generator=generator)
-        return normalize(images, self.mean, self.std)
+    def augment(self, images: Tensor) -> Tensor:
+        if not self.hparams.augment:
+            return images
+        generator = self.augmentation_generator(images.device)
+        images = random_crop(images, padding=2, generator=generator, fill=self.black(images.device))
+        if self.hparams.dataset == "fashion_mnist":  # clothing is left-right symmetric; digits are not
+            images = random_hflip(images, generator=generator)
+        return images
 
 
 def _read(reader, path: Path) -> Tensor:

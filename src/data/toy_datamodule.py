@@ -27,8 +27,9 @@ class ToyDataModule(InMemoryDataModule):
         batch_size: int = 64,
         val_size: int = 512,
         seed: int = 12345,
+        on_device: bool | str = "auto",
     ) -> None:
-        super().__init__(data_dir="", batch_size=batch_size, val_size=val_size, seed=seed)
+        super().__init__(data_dir="", batch_size=batch_size, val_size=val_size, seed=seed, on_device=on_device)
 
     def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
         hp = self.hparams

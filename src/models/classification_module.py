@@ -7,39 +7,28 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MaxMetric
-from torchmetrics.classification import MulticlassAccuracy
 
-from src.models.metrics import SampleMean
+from src.models.metrics import SampleAccuracy, SampleMean
 from src.models.step_module import STAGES, StepModule, StepOutput
 
 
 class ClassificationModule(StepModule):
     """Logs ``{train,val,test}/loss``, ``{train,val,test}/acc`` and ``val/acc_best``.
 
-    Loss and accuracy are torchmetrics objects: each rank accumulates sums and counts, and
-    they are all-reduced once at epoch end, so the logged value is the exact mean over all
-    samples seen by all ranks (not a mean of per-rank means). Accuracy's input validation
-    is off because it costs a host sync on every step.
+    Loss and accuracy are torchmetrics objects (:mod:`src.models.metrics`): each rank accumulates sums
+    and counts, and they are all-reduced once at epoch end, so the logged value is the exact mean over
+    all samples seen by all ranks (not a mean of per-rank means).
     """
 
     task = "classification"  # pairs with data of the same task (src/utils/config_checks.py)
     best_of = "acc"  # val/acc_best
 
-    def __init__(
-        self,
-        net: nn.Module,
-        optimizer: Any,
-        scheduler: Any | None = None,
-        num_classes: int = 10,
-        compile: bool = False,
-        compile_backend: str = "inductor",
-        fused_optimizer: bool = True,
-    ) -> None:
-        super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile,
-                         compile_backend=compile_backend, fused_optimizer=fused_optimizer)
+    def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, **options: Any) -> None:
+        """``options``: the :class:`~src.models.step_module.StepModule` switches (compile, fused_optimizer...)."""
+        super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, **options)
         for stage in STAGES:  # train_loss, val_loss, test_loss, train_acc, ...
             setattr(self, f"{stage}_loss", SampleMean())
-            setattr(self, f"{stage}_acc", MulticlassAccuracy(num_classes, average="micro", validate_args=False))
+            setattr(self, f"{stage}_acc", SampleAccuracy())
         self.val_acc_best = MaxMetric()
 
     def criterion(self, output: Tensor, target: Tensor) -> Tensor:
@@ -49,7 +38,7 @@ class ClassificationModule(StepModule):
         loss, target = out["loss"], out["target"]
         loss_metric, acc_metric = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_acc")
         loss_metric.update(loss, target.shape[0])
-        acc_metric.update(out["output"].detach().argmax(dim=1), target)
+        acc_metric.update(out["output"], target)
         self.log_epoch_metric(f"{stage}/loss", loss_metric)
         self.log_epoch_metric(f"{stage}/acc", acc_metric)
         return loss

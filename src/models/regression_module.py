@@ -18,17 +18,9 @@ class RegressionModule(StepModule):
     task = "regression"  # pairs with data of the same task (src/utils/config_checks.py)
     best_of = "loss"  # val/loss_best
 
-    def __init__(
-        self,
-        net: nn.Module,
-        optimizer: Any,
-        scheduler: Any | None = None,
-        compile: bool = False,
-        compile_backend: str = "inductor",
-        fused_optimizer: bool = True,
-    ) -> None:
-        super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, compile=compile,
-                         compile_backend=compile_backend, fused_optimizer=fused_optimizer)
+    def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, **options: Any) -> None:
+        """``options``: the :class:`~src.models.step_module.StepModule` switches (compile, fused_optimizer...)."""
+        super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, **options)
         for stage in STAGES:  # train_loss, val_loss, test_loss
             setattr(self, f"{stage}_loss", SampleMean())
         self.val_loss_best = MinMetric()

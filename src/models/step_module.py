@@ -43,6 +43,17 @@ class StepModule(compat.FastHookName, LightningModule):
 
     A subclass that sets ``best_of = "<name>"`` and a ``val_<name>_best`` tracker (``MaxMetric`` or
     ``MinMetric``) gets ``val/<name>_best`` logged after every validation epoch.
+
+    Args:
+        net: the network, an ``nn.Sequential`` of named blocks (the pipeline's split points).
+        optimizer: a partial of the optimizer class (``_partial_: true``); ``scheduler`` likewise, or None.
+        compile: ``nn.Module.compile`` the net in place (checkpoint keys unchanged), with ``compile_backend``
+            and ``compile_mode`` (``None``, ``reduce-overhead``: CUDA graphs, ``max-autotune``).
+        fused_optimizer: Adam/AdamW/SGD step in one kernel where the device has it (:mod:`.optimizers`).
+        channels_last: on a GPU, convolution weights and 4-D inputs in NHWC, the layout cuDNN's tensor-core
+            kernels take without a transpose.
+        float32_matmul_precision: ``torch.set_float32_matmul_precision`` for this process (``high``: TF32 on
+            GPUs that have it, for 32-true runs); ``None`` leaves torch's setting.
     """
 
     best_of: str | None = None
@@ -54,7 +65,10 @@ class StepModule(compat.FastHookName, LightningModule):
         scheduler: Any | None = None,
         compile: bool = False,
         compile_backend: str = "inductor",
+        compile_mode: str | None = None,
         fused_optimizer: bool = True,
+        channels_last: bool = False,
+        float32_matmul_precision: str | None = None,
     ) -> None:
         super().__init__()
         # Only plain values go into the checkpoint's hparams, so it loads with torch.load(weights_only=True):
@@ -64,8 +78,11 @@ class StepModule(compat.FastHookName, LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.net_compiled = False
+        self.inputs_channels_last = False  # set in setup, on a GPU, with channels_last
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.inputs_channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
         return self.net(x)
 
     def criterion(self, output: Tensor, target: Tensor) -> Tensor:
@@ -126,6 +143,11 @@ class StepModule(compat.FastHookName, LightningModule):
         self.log(f"val/{self.best_of}_best", best.compute(), sync_dist=True, prog_bar=True)
 
     def setup(self, stage: str) -> None:
+        if self.hparams.float32_matmul_precision:
+            torch.set_float32_matmul_precision(self.hparams.float32_matmul_precision)
+        if self.hparams.channels_last and self.trainer.strategy.root_device.type == "cuda":
+            self.net.to(memory_format=torch.channels_last)  # no-op on layers without 4-D weights
+            self.inputs_channels_last = True
         if self.hparams.compile:
             self.compile_net()
 
@@ -138,7 +160,7 @@ class StepModule(compat.FastHookName, LightningModule):
         keys, so a checkpoint is the same with compile on or off.
         """
         if not self.net_compiled:
-            self.net.compile(backend=self.hparams.compile_backend)
+            self.net.compile(backend=self.hparams.compile_backend, mode=self.hparams.compile_mode)
             self.net_compiled = True
 
     def configure_optimizers(self) -> dict[str, Any]:

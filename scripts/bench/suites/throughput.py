@@ -26,11 +26,18 @@ def work_of(s: Settings) -> contenders.Work:
                            **s.on_device())
 
 
-def makers_of(work: contenders.Work, workers: tuple[int, ...]) -> dict:
-    """Contender name -> ``make_cmd(prefix, run_dir)``."""
-    return {
+def makers_of(work: contenders.Work, workers: tuple[int, ...], variants: tuple = ()) -> dict:
+    """Contender name -> ``make_cmd(prefix, run_dir)``; bare Lightning and the per-sample pipeline: mlp only."""
+    both = {
         "project": lambda prefix, run_dir: contenders.project(work, prefix, run_dir),
         "plain loop": lambda prefix, run_dir: contenders.plain(work, prefix, run_dir=run_dir),
+        **{f"project {name}": partial(lambda o, prefix, run_dir: contenders.project(work, prefix, run_dir, *o), overrides)
+           for name, overrides in variants},
+    }
+    if work.workload != "mlp":
+        return both
+    return {
+        **both,
         "bare Lightning": lambda prefix, run_dir: contenders.bare_lightning(work, prefix, run_dir=run_dir),
         **{f"per-sample, {w} workers": partial(
             lambda w, prefix, run_dir: contenders.plain(work, prefix, "per_sample", w, run_dir=run_dir), w)
@@ -47,7 +54,7 @@ def paired_makers_of(work: contenders.Work) -> dict:
 def run(bench: Bench) -> SuiteResult:
     s = bench.settings
     work = work_of(s)
-    makers = makers_of(work, s.workers)
+    makers = makers_of(work, s.workers, s.variants)
     runs: dict[str, list[measure.Run]] = {name: [] for name in makers}
     for r in range(s.rounds):
         print(f" round {r + 1}/{s.rounds}", flush=True)
@@ -61,7 +68,7 @@ def run(bench: Bench) -> SuiteResult:
     vs_plain = {name: same_round(tput[name], tput["plain loop"]) for name in makers}
     loop_vs_plain = {name: same_round(loop[name], loop["plain loop"]) for name in makers}
     rss_vs_plain = {name: same_round(rss[name], rss["plain loop"]) for name in makers}
-    result = SuiteResult("throughput", f"Training throughput, 1 process, batch {work.global_batch}, "
+    result = SuiteResult("throughput", f"Training throughput, 1 process, {work.workload}, batch {work.global_batch}, "
                                        f"{s.device_label()} (steady state)")
     result.columns = ["contender", "threads", "samples/s, whole epochs", "vs plain loop",
                       "samples/s, training loop only", "vs plain loop (loop only)", "epoch s (train+val+ckpt)",
@@ -76,22 +83,25 @@ def run(bench: Bench) -> SuiteResult:
             headline(rss_vs_plain[name]),
         ])
 
-    paired = _paired_steps(bench, work) if s.paired else {"bare": [], "project": []}
+    paired = _paired_steps(bench, work) if s.paired and work.workload == "mlp" else {"bare": [], "project": []}
+    profiles = _step_profiles(bench, makers) if s.accelerator != "cpu" else {}
 
     # The input pipeline alone, in this process with the same thread count (the project's on the contenders' device).
-    data_ms = in_threads(s.threads, project_batch_ms, work.global_batch, 200, s.accelerator)
-    per_sample_ms = {w: in_threads(s.threads, per_sample_batch_ms, w, work.global_batch) for w in s.workers}
+    mlp = work.workload == "mlp"
+    data_ms = in_threads(s.threads, project_batch_ms, work.global_batch, 200, s.accelerator) if mlp else None
+    per_sample_ms = {w: in_threads(s.threads, per_sample_batch_ms, w, work.global_batch) for w in s.workers
+                     if data_ms is not None}
     project_loop = median(loop["project"])
     project_step_ms = work.global_batch / project_loop * 1e3 if project_loop else None
-    share = data_ms / project_step_ms if project_step_ms else None
+    share = data_ms / project_step_ms if project_step_ms and data_ms is not None else None
     per_sample = [n for n in makers if n.startswith("per-sample")]
     fastest_per_sample = [max((v for v in vals if v is not None), default=None)
                           for vals in zip(*(tput[n] for n in per_sample), strict=True)] if per_sample else []
     speedup = same_round(tput["project"], fastest_per_sample) if per_sample else []
 
     project_ratio = median(vs_plain["project"])
-    floor = same_round(tput["bare Lightning"], tput["plain loop"])
-    added = same_round(tput["project"], tput["bare Lightning"])
+    floor = same_round(tput["bare Lightning"], tput["plain loop"]) if "bare Lightning" in tput else []
+    added = same_round(tput["project"], tput["bare Lightning"]) if "bare Lightning" in tput else []
     result.goals = [
         Goal("project >= 0.97x plain loop (whole epochs; defaults: progress bar, logging, checkpoints on)",
              headline(vs_plain["project"]), project_ratio >= 0.97 if project_ratio else None),
@@ -116,10 +126,11 @@ def run(bench: Bench) -> SuiteResult:
             f"{_ms_list(paired['project'])} ms over the plain step).")
     elif not s.paired:
         result.notes.append("Paired steps: not run (--no-paired).")
-    result.notes.append(
-        f"Input pipeline alone: project {data_ms:.3f} ms/batch; per-sample "
-        + (", ".join(f"{w} workers {ms:.2f} ms/batch" for w, ms in per_sample_ms.items()) or "not run (--workers '')")
-        + ".")
+    if data_ms is not None:
+        result.notes.append(
+            f"Input pipeline alone: project {data_ms:.3f} ms/batch; per-sample "
+            + (", ".join(f"{w} workers {ms:.2f} ms/batch" for w, ms in per_sample_ms.items())
+               or "not run (--workers '')") + ".")
     result.notes.append(
         f"Steady state: epochs 2..{s.epochs} of each run (epoch 1 is warm-up). Whole epochs run from one epoch's "
         "start to the next one's (the last: to the end of training), so they hold validation, the checkpoint "
@@ -132,11 +143,13 @@ def run(bench: Bench) -> SuiteResult:
     if s.accelerator != "cpu":
         result.notes.append(
             f"On {s.device_label()}: every contender trains on the GPU (the project with trainer.accelerator="
-            f"{s.accelerator} trainer.precision={s.precision}). The plain loop and bare Lightning hold the uint8 data "
-            "set on the device and normalize there; the project copies each uint8 batch from pinned memory and "
-            "normalizes on the device; the per-sample pipeline builds batches on the CPU and copies them from pinned "
-            "memory. Epoch spans start and end after torch.cuda.synchronize(). The project's input pipeline alone "
-            "is timed with its normalization on the GPU; the per-sample one on the CPU, without the copy.")
+            f"{s.accelerator} trainer.precision={s.precision}). The plain loop, bare Lightning and the project "
+            "(data.on_device=auto) hold the data set on the device, normalized once; the per-sample pipeline builds "
+            "batches on the CPU and copies them from pinned memory. Epoch spans start and end after "
+            "torch.cuda.synchronize(). The project's input pipeline alone is timed on the GPU; the per-sample one "
+            "on the CPU, without the copy.")
+    if profiles:
+        result.notes.append(_profile_table(profiles))
     result.notes.append(bench.noise_note([run for v in runs.values() for run in v]))
     result.raw = {"samples_per_s": tput, "loop_samples_per_s": loop, "project_over_plain_same_round": vs_plain["project"],
                   "vs_plain_same_round": vs_plain, "loop_vs_plain_same_round": loop_vs_plain,
@@ -145,7 +158,7 @@ def run(bench: Bench) -> SuiteResult:
                   "per_sample_ms_per_batch": per_sample_ms, "data_share_of_step": share,
                   "speedup_over_per_sample": median(speedup), "speedup_over_per_sample_same_round": speedup,
                   "bare_lightning_over_plain": median(floor), "project_over_bare_lightning": median(added),
-                  "peak_rss_mb": rss, "rss_vs_plain_same_round": rss_vs_plain,
+                  "peak_rss_mb": rss, "rss_vs_plain_same_round": rss_vs_plain, "step_profiles": profiles,
                   "accelerator": s.accelerator, "precision": s.precision, "device": s.device}
     if s.accelerator != "cpu":
         result.raw["peak_cuda_mb"] = {n: per_round(runs[n], measure.peak_cuda_mb) for n in makers}
@@ -169,6 +182,36 @@ def _paired_steps(bench: Bench, work: contenders.Work) -> dict[str, list[float]]
                 record = json.loads(path.read_text())
                 gaps[name].append(record["lightning_ms"] - record["plain_ms"])
     return gaps
+
+
+PROFILED = ("project", "bare Lightning", "plain loop")
+PROFILE_STEPS = 50
+
+
+def _step_profiles(bench: Bench, makers: dict) -> dict[str, dict]:
+    """One extra, untimed run per contender with ``BENCH_PROFILE_STEPS``: where each steady step's time goes."""
+    profiles = {}
+    for name in (n for n in PROFILED if n in makers):
+        run = bench.run(f"profile-{_slug(name)}", makers[name], extra_env={"BENCH_PROFILE_STEPS": str(PROFILE_STEPS)})
+        profile = next((t.get("profile") for t in run.timelines if t.get("profile")), None) if run.ok else None
+        if profile:
+            profiles[name] = profile
+    return profiles
+
+
+def _profile_table(profiles: dict[str, dict]) -> str:
+    """The split of a steady step, per contender (ms per step), and what caused each host-device sync."""
+    lines = [f"Where a steady step's time goes ({PROFILE_STEPS} profiled steps of epoch 2, in an extra untimed run "
+             "per contender; ms per step):", "",
+             "| contender | wall | host CPU | GPU busy | GPU idle | kernels | host syncs |", "|---|---|---|---|---|---|---|"]
+    for name, p in profiles.items():
+        lines.append(f"| {name} | {p['wall_ms']:.3f} | {p['cpu_ms']:.3f} | {p['gpu_busy_ms']:.3f} | "
+                     f"{p['gpu_idle_ms']:.3f} | {p['kernels']:.1f} | {p['syncs']:.2f} |")
+    for name, p in profiles.items():
+        sites = "; ".join(f"{site} ({n:.2f}/step)" for site, n in p["sync_sites"].items()) or "none"
+        top = ", ".join(f"{op} {ms:.3f}" for op, ms in list(p["top_ops"].items())[:6])
+        lines.append(f"- {name}: syncs: {sites}. Most host time (ms/step): {top}.")
+    return "\n".join(lines)
 
 
 def _ms_list(values: list[float]) -> str:

@@ -34,10 +34,19 @@ def _channel_stats(mean: tuple, std: tuple, dtype: torch.dtype, device: torch.de
             torch.as_tensor(std, dtype=dtype, device=device).view(shape))
 
 
-def random_crop(images: Tensor, padding: int, generator: torch.Generator | None = None) -> Tensor:
-    """Zero-pad by ``padding`` and crop back to the original size at an independent random offset per image."""
-    n, _, h, w = images.shape
-    padded = F.pad(images, (padding, padding, padding, padding))
+def random_crop(images: Tensor, padding: int, generator: torch.Generator | None = None,
+                fill: Tensor | None = None) -> Tensor:
+    """Pad by ``padding`` and crop back to the original size at an independent random offset per image.
+
+    The border is 0, or ``fill`` per channel (shape ``(1, C, 1, 1)``): the value of a black pixel after
+    normalization, which makes cropping a normalized batch equal to normalizing a cropped one.
+    """
+    n, c, h, w = images.shape
+    if fill is None:
+        padded = F.pad(images, (padding, padding, padding, padding))
+    else:
+        padded = fill.expand(n, c, h + 2 * padding, w + 2 * padding).clone()
+        padded[:, :, padding:padding + h, padding:padding + w] = images
     off_y = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device, generator=generator)
     off_x = torch.randint(0, 2 * padding + 1, (n, 1), device=images.device, generator=generator)
     rows = (off_y + torch.arange(h, device=images.device))[:, :, None]  # (N, H, 1)
