@@ -78,6 +78,20 @@ def test_guard_sees_a_renamed_attribute_of_the_real_class(monkeypatch):
 
 
 @pytest.mark.fast
+def test_guards_still_read_an_init_that_torch_compile_wrapped(monkeypatch):
+    """torch.compile wraps nn.Module.__init__ in a closure (dynamo's generation tagging): the guards read through it."""
+    from torch import nn
+
+    original = nn.Module.__init__
+
+    def patched_init(self, *args, **kwargs):  # what torch._dynamo installs, without functools.wraps
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "__init__", patched_init)
+    compat.check_private_names()
+
+
+@pytest.mark.fast
 def test_hydra_child_command_is_swapped_only_inside_the_block():
     from lightning.pytorch.strategies.launchers import subprocess_script
 

@@ -47,17 +47,33 @@ def require(owner: Any, name: str, feature: str) -> None:
 class CodeNames:
     """Names that functions' code refers to (``co_names``, and names given as strings, as ``nn.Module`` sets its
     own): attributes an ``__init__`` assigns, or names a method still calls. Answers ``hasattr`` for them,
-    so :func:`require` checks code without running it."""
+    so :func:`require` checks code without running it. A function that wraps another through a closure (as
+    ``torch.compile`` wraps ``nn.Module.__init__``) is read with the function it wraps."""
 
     def __init__(self, label: str, *functions: Callable) -> None:
         self.__name__ = label
-        codes = [getattr(inspect.unwrap(f), "__code__", None) for f in functions]
-        self.names = frozenset(n for code in codes for n in (*code.co_names, *code.co_consts) if isinstance(n, str))
+        self.names = frozenset(name for f in functions for name in _code_names(f))
 
     def __getattr__(self, name: str) -> Any:
         if name in self.__dict__.get("names", ()):
             return True
         raise AttributeError(name)
+
+
+def _code_names(function: Callable, seen: frozenset[int] = frozenset()) -> set[str]:
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    if code is None or id(function) in seen:
+        return set()
+    names = {n for n in (*code.co_names, *code.co_consts) if isinstance(n, str)}
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if callable(inner):
+            names |= _code_names(inner, seen | {id(function)})
+    return names
 
 
 def SetInInit(cls: type) -> CodeNames:  # noqa: N802 - reads like the class it stands for
