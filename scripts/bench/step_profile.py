@@ -85,6 +85,8 @@ def summarize(prof: Any, steps: int, wall_s: float, cpu_s: float, sync_sites: co
     host_self: collections.Counter[str] = collections.Counter()
     for event in prof.events():
         on_device = getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if on_device and getattr(event, "is_user_annotation", False):
+            continue  # a record_function range mirrored on the GPU timeline: it spans idle time too
         if on_device:
             device_spans.append((event.time_range.start, event.time_range.end))
             kernels += not event.name.startswith(("Memcpy", "Memset"))
