@@ -13,7 +13,12 @@ def rank_zero_value(value: str) -> str | None:
     return value if launch_context().is_global_zero else None
 
 
+def negation(value: object) -> bool:
+    """``${not:...}``: e.g. cuDNN's autotuner only when the run is not deterministic."""
+    return not value
+
+
 def register_resolvers() -> None:
-    for name, fn in (("run_dir", run_dir_name), ("rank_zero", rank_zero_value)):
+    for name, fn in (("run_dir", run_dir_name), ("rank_zero", rank_zero_value), ("not", negation)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

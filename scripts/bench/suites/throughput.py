@@ -11,6 +11,7 @@ from scripts.bench.context import (
     Goal,
     Settings,
     SuiteResult,
+    difference,
     headline,
     median,
     per_round,
@@ -68,11 +69,13 @@ def run(bench: Bench) -> SuiteResult:
     vs_plain = {name: same_round(tput[name], tput["plain loop"]) for name in makers}
     loop_vs_plain = {name: same_round(loop[name], loop["plain loop"]) for name in makers}
     rss_vs_plain = {name: same_round(rss[name], rss["plain loop"]) for name in makers}
+    wall = {name: per_round(runs[name], lambda run: run.wall_s) for name in makers}
+    wall_vs_plain = {name: same_round(wall[name], wall["plain loop"], fn=difference) for name in makers}
     result = SuiteResult("throughput", f"Training throughput, 1 process, {work.workload}, batch {work.global_batch}, "
                                        f"{s.device_label()} (steady state)")
     result.columns = ["contender", "threads", "samples/s, whole epochs", "vs plain loop",
                       "samples/s, training loop only", "vs plain loop (loop only)", "epoch s (train+val+ckpt)",
-                      "peak RSS MiB", "RSS vs plain loop"]
+                      "peak RSS MiB", "RSS vs plain loop", "whole process s (launch to exit)", "vs plain loop"]
     for name in makers:
         ok = result.successful(name, runs[name])
         if not ok:
@@ -80,7 +83,7 @@ def run(bench: Bench) -> SuiteResult:
         result.rows.append([
             name, str(measure.threads(ok[0])[0]), spread(tput[name]), headline(vs_plain[name]), spread(loop[name]),
             headline(loop_vs_plain[name]), spread([measure.epoch_wall_s(run) for run in ok]), spread(rss[name]),
-            headline(rss_vs_plain[name]),
+            headline(rss_vs_plain[name]), spread(wall[name]), headline(wall_vs_plain[name], "{:+.2f}", " s"),
         ])
 
     paired = _paired_steps(bench, work) if s.paired and work.workload == "mlp" else {"bare": [], "project": []}
@@ -159,6 +162,7 @@ def run(bench: Bench) -> SuiteResult:
                   "speedup_over_per_sample": median(speedup), "speedup_over_per_sample_same_round": speedup,
                   "bare_lightning_over_plain": median(floor), "project_over_bare_lightning": median(added),
                   "peak_rss_mb": rss, "rss_vs_plain_same_round": rss_vs_plain, "step_profiles": profiles,
+                  "process_s": wall, "process_s_minus_plain_same_round": wall_vs_plain,
                   "accelerator": s.accelerator, "precision": s.precision, "device": s.device}
     if s.accelerator != "cpu":
         result.raw["peak_cuda_mb"] = {n: per_round(runs[n], measure.peak_cuda_mb) for n in makers}
