@@ -10,7 +10,8 @@ exits 0, so a preempted job looks successful. The project's strategies replace t
 * the handler only notes the signal (and, like Lightning's, forwards it to the ranks this process
   launched); during fit it does not stop this rank on its own;
 * every ``every_n_batches`` training batches, the same batches on every rank, the ranks all-reduce
-  (MAX) their notes; if any rank was signalled, all of them stop there together;
+  (MAX) their notes; if any rank was signalled, all of them stop together. The reduction is read at
+  the next check, so on a GPU it runs in the device's queue and the host never waits for it;
 * at that batch every rank joins :func:`stop_for_preemption`: ``last.ckpt`` is written (weights,
   optimizer, loop and data position, random state), then each rank exits with 128 + the signal
   number (143 for SIGTERM, 138 for SIGUSR1). Re-running the command resumes from there.
@@ -115,6 +116,7 @@ class SigtermSync:
         self.trainer, self.every_n_batches = trainer, every_n_batches
         self.signum = 0  # the signal this rank received (0: none)
         self.calls = 0
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # the last check's reduction
 
     @property
     def signalled(self) -> bool:
@@ -125,13 +127,38 @@ class SigtermSync:
         self.calls += 1
         if not due:
             return
-        signum = self.signum
-        if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([signum], device=self.trainer.strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # SIGTERM (15) wins over SIGUSR1 (10)
-            signum = int(flag.item())
+        multi = self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+        signum = self._agree() if multi else self.signum
         if signum:
             stop_for_preemption(self.trainer, signum)
+
+    def _agree(self) -> int:
+        """The largest note of any rank at the previous check, and this check's notes sent to be reduced.
+
+        Every rank reads the same round, so all stop at the same batch. The reduction of a round is read a
+        check later: on a GPU it and its copy to pinned host memory run in the device's queue meanwhile,
+        so the host never waits for the device in the middle of training.
+        """
+        agreed = 0
+        if self._pending is not None:
+            host, copied = self._pending
+            if copied is not None:
+                copied.synchronize()  # recorded a whole interval ago: done by now, so this does not wait
+            agreed = int(host[0])
+        device = self.trainer.strategy.root_device
+        flag = torch.full((1,), self.signum, dtype=torch.int32, device=device)  # a fill: no host-to-device copy
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # SIGTERM (15) wins over SIGUSR1 (10)
+        if device.type == "cuda":
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True).copy_(flag, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            self._pending = (host, copied)
+        else:
+            self._pending = (flag, None)
+        return agreed
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_pending": None}  # CUDA events do not pickle; nothing is in flight at a launch
 
 
 class SigtermNote:
