@@ -112,8 +112,8 @@ PID_DIR ?= logs/.pids
 .PHONY: cloud-install cloud-up cloud-train cloud-sweep cloud-logs cloud-ssh cloud-down sync launch-hosts kill-orphans
 
 cloud-install: $(STAMP) ## SkyPilot with AWS support (the `cloud` extra) in its own environment, .venv-cloud
-	$(PYTHON) -m venv --system-site-packages .venv-cloud
-	.venv-cloud/bin/pip install --quiet -e ".[cloud]"
+	$(PYTHON) -m venv .venv-cloud  # isolated: SkyPilot's pins never meet the training environment's packages
+	.venv-cloud/bin/pip install --quiet $$($(PYTHON) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['cloud']))")
 	@echo "SkyPilot: .venv-cloud/bin/sky (used by make cloud-*). Next: aws configure; .venv-cloud/bin/sky check aws"
 
 cloud-up: ## Start or reuse CLUSTER: NODES x CLOUD_GPUS (default 1 x A10G:4), SPOT=1 for spot; stops after AUTOSTOP idle min

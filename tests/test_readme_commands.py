@@ -1,9 +1,12 @@
-"""Every command in the README's code blocks runs as written, with a few batches (issue 13).
+"""Every command in the code blocks of the README and of docs/*.md runs as written, kept short.
 
-The commands are read from README.md, so a command added there is tested here. Each runs in a fresh
-shell from the repository root, with overrides appended that only make it short and keep its output in
-a temporary directory. Only what this machine cannot do is skipped, each with its reason (SKIP), and
-the targets that would run this suite itself or benchmark for minutes are dry-run (DRY_RUN).
+The commands are read from the files, so a command added there is tested here: training and evaluation
+(`python src/train.py`, `src/eval.py`, torchrun, srun, `make`), the collectives room
+(`python -m src.collectives`, also under torchrun), the benchmarks (`python -m scripts.bench`) and the
+test commands (`python -m pytest`). Each runs in a fresh shell from the repository root, with arguments
+appended that only make it short and keep its output in a temporary directory. Only what this machine
+cannot do is skipped, each with its reason (SKIP); the targets that would run this suite itself or
+benchmark for minutes are dry-run (DRY_RUN), and a pytest command collects its tests without running them.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from tests.helpers.config import ROOT
 
 pytestmark = pytest.mark.slow
 
-README = ROOT / "README.md"
-COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python src/(?:train|eval)\.py|torchrun .*src/train\.py|srun python src/train\.py|make)\b")
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python src/(?:train|eval|export)\.py|torchrun .*(?:src/train\.py|-m src\.collectives)"
+                     r"|srun python src/train\.py|python -m (?:src\.collectives|scripts\.bench|pytest)|make)\b")
 
 # Substring -> why this machine cannot run it. Keep this small: everything else must run.
 SKIP = {
     "srun ": "needs a SLURM cluster; tests/test_ddp.py::test_slurm_environment_detected simulates one",
     "num_nodes=2": "needs a second machine (two nodes); tests/test_ddp.py simulates two nodes over loopback",
+    "--accelerator gpu": "needs a CUDA GPU; tests/test_bench.py checks the option reaches every contender",
 }
 # Whole command -> why it is only dry-run (`make -n`: the target exists and expands).
 DRY_RUN = {
@@ -37,18 +42,26 @@ DRY_RUN = {
 # Appended to every training/eval command: one epoch (two when resuming) of a few batches, nothing else changed.
 FEW_BATCHES = ["++trainer.limit_train_batches=1", "++trainer.limit_val_batches=1", "++trainer.limit_test_batches=1",
                "++trainer.num_sanity_val_steps=0"]
+# Appended to `python -m src.collectives`: the smallest sizes and fewest iterations of every mode.
+FEW_MESSAGES = ["bench.sizes=[4KB]", "bench.warmup=1", "bench.iters=2", "ring.bench_sizes=[4KB]", "ring.warmup=1",
+                "ring.iters=2", "sgd.epochs=1"]
+# Appended to `python -m scripts.bench`: one round of two epochs of two steps, no per-sample or paired runs.
+FEW_STEPS = ["--rounds", "1", "--epochs", "2", "--limit-train-batches", "2", "--accuracy-epochs", "1", "--workers", "''",
+             "--no-paired", "--quiet-wait", "0", "--no-tty"]
 SYNTHETIC_CIFAR10 = "data/synthetic_cifar10"  # where the README's `make synthetic-cifar10` writes
 
 
 def readme_commands() -> list[str]:
-    """The runnable lines of the README's bash code blocks, continuation lines joined, comments dropped."""
+    """The runnable lines of the bash code blocks of the README and docs/, continuation lines joined, comments
+    dropped."""
     commands = []
-    for block in re.findall(r"^```(?:bash|sh)?\n(.*?)^```", README.read_text(), re.S | re.M):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
-            if COMMAND.match(line):
-                commands.append(line)
-    return list(dict.fromkeys(commands))  # `make test` appears twice
+    for document in DOCUMENTS:
+        for block in re.findall(r"^```(?:bash|sh)?\n(.*?)^```", document.read_text(), re.S | re.M):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
+                if COMMAND.match(line):
+                    commands.append(line)
+    return list(dict.fromkeys(commands))  # `make test` appears more than once
 
 
 def _skip_reason(command: str) -> str | None:
@@ -109,9 +122,20 @@ def test_readme_command_runs(command, tmp_path, request):
         return
     if "cifar10" in command:
         assert request.getfixturevalue("made_synthetic_cifar10").returncode == 0
+    if command.startswith("python -m pytest"):  # collect only: running it would run (part of) this suite
+        proc = _shell(command.replace("python -m pytest", "python -m pytest --collect-only -q -p no:cacheprovider", 1))
+        assert proc.returncode == 0 and re.search(r"\d+ tests? collected", proc.stdout), proc.stdout[-2000:]
+        return
     if "<run>" in command:
         command = command.replace("logs/train/runs/<run>", str(request.getfixturevalue("trained_run")))
-    args = _run_overrides(command, tmp_path / "logs", request)
+    if "-m src.collectives" in command:
+        args = [*FEW_MESSAGES, f"paths.log_dir={tmp_path / 'logs'}"]
+    elif command.startswith("python -m scripts.bench"):
+        args = [*FEW_STEPS, "--out", str(tmp_path / "bench")]
+    elif command.startswith("python src/export.py"):  # writes next to the checkpoint; nothing to shorten
+        args = [f"hydra.run.dir={tmp_path / 'export'}"]
+    else:
+        args = _run_overrides(command, tmp_path / "logs", request)
     proc = _shell(_make(command, args) if command.startswith("make ") else f"{command} {' '.join(args)}")
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert not re.search(r"^error:", proc.stderr, re.M), proc.stderr[-3000:]
@@ -122,6 +146,9 @@ def test_readme_commands_are_found():
     assert "make train" in commands and "make synthetic-cifar10" in commands
     assert any(c.startswith("python src/eval.py") for c in commands)
     assert any(c.startswith("torchrun --standalone") for c in commands)
+    for kind in ("python -m src.collectives", "-m src.collectives mode=check", "python -m scripts.bench",
+                 "python -m pytest"):
+        assert any(kind in c for c in commands), f"no {kind!r} command found in the README or docs/"
     for key in SKIP:
         assert any(key in c for c in commands), f"SKIP entry {key!r} matches no README command any more"
     for command in DRY_RUN:

@@ -93,6 +93,11 @@ class InMemoryDataModule(LightningDataModule):
         """Return ``(inputs, targets)`` tensors of the train or test split."""
         raise NotImplementedError
 
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one sample as the model takes it (``(C, H, W)`` for images); exports trace with it."""
+        return (self.channels, self.image_size, self.image_size)
+
     def augment(self, images: Tensor) -> Tensor:
         """Random augmentation of a normalized training batch, drawn from :meth:`augmentation_generator` (none
         by default)."""

@@ -31,6 +31,10 @@ class ToyDataModule(InMemoryDataModule):
     ) -> None:
         super().__init__(data_dir="", batch_size=batch_size, val_size=val_size, seed=seed, on_device=on_device)
 
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (self.hparams.in_features,)
+
     def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
         hp = self.hparams
         gen = torch.Generator().manual_seed(hp.seed)
