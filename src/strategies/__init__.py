@@ -1,4 +1,5 @@
-"""The project's Lightning strategies: ``ddp`` (Lightning's DDP plus its fixes), ``dp`` and ``pipeline``.
+"""The project's Lightning strategies: ``single_device`` and ``ddp`` (Lightning's, plus the project's fixes),
+``dp`` and ``pipeline``; ``launchers`` is how the multi-process ones start their ranks.
 
 Importing this package registers ``dp`` and ``pipeline`` with Lightning's ``StrategyRegistry``, so
 ``Trainer(strategy="dp")`` (and ``trainer.strategy=dp`` in configs) resolves them.
@@ -9,9 +10,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from src.strategies.ddp import DDPStrategy
 from src.strategies.dp import DataParallelStrategy
 from src.strategies.pipeline.strategy import PipelineStrategy
+from src.strategies.single_device import SingleDeviceStrategy
 
 for _strategy in (DataParallelStrategy, PipelineStrategy):
     StrategyRegistry.register(_strategy.strategy_name, _strategy, description=_strategy.__doc__.splitlines()[0],
                               override=True)  # idempotent
 
-__all__ = ["DDPStrategy", "DataParallelStrategy", "PipelineStrategy"]
+__all__ = ["DDPStrategy", "DataParallelStrategy", "PipelineStrategy", "SingleDeviceStrategy"]
