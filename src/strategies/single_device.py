@@ -4,6 +4,9 @@ One-process runs (``trainer=default``, ``cpu``, ``gpu``, ``mps``) write checkpoi
 them with ``weights_only=True`` (:mod:`src.utils.checkpoint_io`), as the multi-process strategies do;
 the default lives in the strategy class, so ``Trainer(strategy=SingleDeviceStrategy())`` gets it too.
 Given no device, the strategy takes the one the Trainer picks from ``accelerator`` and ``devices``.
+One-process stop signals come from the :class:`src.callbacks.stop_signals.StopSignals` callback (in the
+default callbacks): a strategy has no hook at the end of a training batch, the one point where a stop is
+saved whole.
 """
 
 from __future__ import annotations
