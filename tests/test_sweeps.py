@@ -26,6 +26,7 @@ from tests.helpers.entry import run_entry
 TINY = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_train_batches=2",
         "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2", "extras.print_config=false"]
 OPTUNA = "hparams_search=fashion_mnist_optuna"
+QUICK = ["~callbacks.metric_plot", "++trainer.num_sanity_val_steps=0"]  # for searches of many trials
 
 
 def search_command(tmp_path: Path, *overrides: str, sweep: str = "sweep") -> list[str]:
@@ -34,7 +35,7 @@ def search_command(tmp_path: Path, *overrides: str, sweep: str = "sweep") -> lis
 
 
 def run_search(tmp_path: Path, *overrides: str, sweep: str = "sweep", timeout: int = 600):
-    """``python src/train.py overrides...`` on tiny runs; the sweep in ``tmp_path/sweep``, logs in ``tmp_path/logs``."""
+    """``python src/train.py overrides...`` tiny: the sweep in ``tmp_path/sweep``, logs in ``tmp_path/logs``."""
     try:
         proc = run_entry("train", *search_command(tmp_path, *overrides, sweep=sweep), timeout=timeout)
     finally:  # a timed-out sweep leaves its child ranks behind: end them, as `make kill-orphans` would
@@ -114,8 +115,7 @@ def test_pruned_trials_stop_early_and_never_count_as_best(tmp_path):
     say so in status.yaml and result.yaml, and best.yaml is the best *completed* trial."""
     epochs = 3
     proc, sweep = run_search(tmp_path, OPTUNA, "hydra.sweeper.n_trials=12", "hydra.sweeper.pruner.n_startup_trials=2",
-                             f"trainer.max_epochs={epochs}", "test=false", "~callbacks.metric_plot",
-                             "++trainer.num_sanity_val_steps=0", timeout=300)
+                             f"trainer.max_epochs={epochs}", "test=false", *QUICK, timeout=300)
     jobs = job_dirs(sweep)
     assert [int(j.name) for j in jobs] == list(range(12))
     study = study_in(sweep)
@@ -168,7 +168,8 @@ def wait_for_a_trial_mid_training(sweep: Path, proc: subprocess.Popen, timeout: 
     end = time.monotonic() + timeout
     while time.monotonic() < end and proc.poll() is None:
         for job in job_dirs(sweep) if sweep.is_dir() else []:
-            if int(job.name) > 0 and (job / "checkpoints" / "last.ckpt").is_file() and not (job / "result.yaml").exists():
+            saved, ended = (job / "checkpoints" / "last.ckpt").is_file(), (job / "result.yaml").exists()
+            if int(job.name) > 0 and saved and not ended:
                 return int(job.name)
         time.sleep(0.1)
     raise AssertionError(f"no trial was caught mid-training (search exit code {proc.poll()})")
@@ -179,7 +180,7 @@ def test_killed_search_resumes_without_repeating_finished_trials(tmp_path):
     """SIGKILL the search while a trial trains; the same command again skips the finished trials, continues the
     killed trial in its own dir from its last.ckpt, and runs the rest: every trial once."""
     search_overrides = [OPTUNA, "hydra.sweeper.n_trials=3", "hydra/sweeper/pruner=none", "trainer.max_epochs=3",
-                        "++trainer.limit_train_batches=20", "test=false"]
+                        "++trainer.limit_train_batches=10", "test=false", *QUICK]
     command = [sys.executable, str(ROOT / "src" / "train.py"), *search_command(tmp_path, *search_overrides)]
     search = subprocess.Popen(command, cwd=ROOT, text=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -38,11 +38,13 @@ class OptunaPruning(Callback):
         epoch, value = trainer.current_epoch, trainer.callback_metrics.get(self.monitor)
         prune = False
         if self._trial is not None and value is not None:
-            self._trial.report(float(value), step=epoch)  # a resumed trial re-reporting an epoch: Optuna keeps the first
+            # a trial resumed from its checkpoint may report an epoch again: Optuna keeps the first value
+            self._trial.report(float(value), step=epoch)
             prune = self._trial.should_prune()
         if not trainer.strategy.broadcast(prune):  # rank 0 decides for all
             return
         trainer.should_stop = True
-        self.ended_run_as = (PRUNED, f"pruned at epoch {epoch}" + ("" if value is None else f": {self.monitor}={float(value):.6g}"))
+        reported = "" if value is None else f": {self.monitor}={float(value):.6g}"
+        self.ended_run_as = (PRUNED, f"pruned at epoch {epoch}{reported}")
         if self._trial is not None:
             self._trial.study.tell(self._trial, state=optuna.trial.TrialState.PRUNED)

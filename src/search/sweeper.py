@@ -92,7 +92,8 @@ class OptunaSearch:
         sweep_dir = Path(self.config.hydra.sweep.dir)
         while self.worker is None or os.getppid() == parent:  # a worker whose sweep is gone starts nothing new
             with _locked(sweep_dir / ASK_LOCK):
-                if len(study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))) >= self.n_trials:
+                started = study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+                if len(started) >= self.n_trials:
                     return
                 trial = study.ask(space)
             self._run_trial(study, trial.number, trial.params, fixed)
@@ -107,8 +108,8 @@ class OptunaSearch:
             # a value of NaN or None: Optuna records the trial as FAIL and says why
             told = study.tell(number, job.return_value if job.status == JobStatus.COMPLETED else None,
                               state=None if job.status == JobStatus.COMPLETED else TrialState.FAIL)
-        print(f"[search] trial {number}: {told.state.name}" + (f", value {told.value:.6g}" if told.value is not None
-              else ""), flush=True)
+        value = "" if told.value is None else f", value {told.value:.6g}"  # pruned: its last reported value
+        print(f"[search] trial {number}: {told.state.name}{value}", flush=True)
         if job.status != JobStatus.COMPLETED:
             _ = job.return_value  # raises the job's error, as Hydra's own sweepers do
 
@@ -142,18 +143,17 @@ class OptunaSearch:
 
     def _worker_command(self, worker: int, resume: list[int]) -> list[str]:
         hc = self.config.hydra
-        return [*entry_command(hc), *(o for o in hc.overrides.hydra if not o.lstrip("~+").startswith(_SET_FOR_WORKERS)),
-                *hc.overrides.task, f'hydra.sweep.dir="{hc.sweep.dir}"', "hydra.mode=MULTIRUN",
-                f"hydra.sweeper.worker={worker}", f"hydra.sweeper.resume=[{','.join(map(str, resume))}]"]
+        inherited = [o for o in hc.overrides.hydra if not o.lstrip("~+").startswith(_SET_FOR_WORKERS)]
+        return [*entry_command(hc), *inherited, *hc.overrides.task, f'hydra.sweep.dir="{hc.sweep.dir}"',
+                "hydra.mode=MULTIRUN", f"hydra.sweeper.worker={worker}",
+                f"hydra.sweeper.resume=[{','.join(map(str, resume))}]"]
 
     def _worker_devices(self, worker: int) -> dict[str, str]:
         """``CUDA_VISIBLE_DEVICES`` for a worker whose jobs run in its own process: its share of the GPUs.
 
-        Jobs that a launcher sends elsewhere (submitit, SLURM) get their GPUs there.
+        That is Hydra's ``basic`` launcher; jobs that a launcher sends elsewhere (submitit) get their GPUs there.
         """
-        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-
-        if not isinstance(self.launcher, BasicLauncher):
+        if self.config.hydra.runtime.choices.get("hydra/launcher") != "basic":
             return {}
         import torch
 
@@ -163,7 +163,8 @@ class OptunaSearch:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = (visible.split(",") if visible else [str(i) for i in range(count)])[:count]
         per_worker = max(1, len(ids) // self.n_jobs)  # fewer GPUs than workers: they share, round robin
-        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[(worker * per_worker + i) % len(ids)] for i in range(per_worker))}
+        mine = (ids[(worker * per_worker + i) % len(ids)] for i in range(per_worker))
+        return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
 def _hold_search_lock(sweep_dir: Path) -> int:
@@ -174,7 +175,8 @@ def _hold_search_lock(sweep_dir: Path) -> int:
     except BlockingIOError:
         os.close(fd)
         raise ConfigError(f"another search is running in {sweep_dir} (it holds {SEARCH_LOCK}); fix: wait for it "
-                          "to end, or start this one elsewhere with hydra.sweep.dir=... (or hydra.sweeper.study_name=...)") from None
+                          "to end, or start this one elsewhere: hydra.sweeper.study_name=... (or hydra.sweep.dir=...)"
+                          ) from None
     return fd
 
 

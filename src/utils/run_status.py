@@ -67,4 +67,5 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike) -> Iterator[None]
         raise
     if trainer.is_global_zero:
         ended = next((c.ended_run_as for c in trainer.callbacks if getattr(c, "ended_run_as", None)), None)
-        write_status(run_dir, *(ended or (FINISHED, f"epoch {trainer.current_epoch}, global step {trainer.global_step}")))
+        where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
+        write_status(run_dir, *(ended or (FINISHED, where)))
