@@ -256,3 +256,16 @@ def test_grid_search_without_m_is_a_multirun(tmp_path):
     assert best.value == pytest.approx(max(values), abs=1e-7) and not math.isnan(best.value)
     assert best.swept == [f"model.optimizer.lr={['0.001', '0.003'][best.job]}"]
     assert "[sweep] best of 2 jobs" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_study_continues_only_under_the_command_that_started_it(tmp_path):
+    """The same study with other task overrides is refused in one line (exit 2): its results would not compare."""
+    run_search(tmp_path, OPTUNA, "hydra.sweeper.n_trials=1", "test=false")
+    proc = run_entry("train", *search_command(tmp_path, OPTUNA, "hydra.sweeper.n_trials=2", "test=false",
+                                              "model.optimizer.weight_decay=0.1"), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: the search in {tmp_path / 'sweep'} was started "
+                                                           "with other overrides (")
+    assert "fix: " in proc.stderr and "Traceback" not in proc.stderr
+    assert [t.state.name for t in study_in(tmp_path / "sweep").trials] == ["COMPLETE"]
