@@ -23,6 +23,11 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 PYTHON="${PYTHON:-python}"
+# hydra-optuna-sweeper, which hparams_search used before hydra/sweeper=optuna (src/search/), pins Optuna 2 and
+# registers Hydra configs of the same names (hydra/sweeper/optuna, hydra/sweeper/sampler/tpe): remove it
+if "$PYTHON" -m pip show hydra-optuna-sweeper >/dev/null 2>&1; then
+  "$PYTHON" -m pip uninstall --yes --quiet hydra-optuna-sweeper
+fi
 # torch is resolved by pip like any other dependency (>=2.4); pin it first if you need a specific build.
 "$PYTHON" -m pip install --quiet -e ".[dev,loggers,sweep,export]"
-"$PYTHON" -c "import torch, lightning, hydra; print(f'torch {torch.__version__}, lightning {lightning.__version__}, hydra {hydra.__version__}')"
+"$PYTHON" -c "import torch, lightning, hydra, optuna; print(f'torch {torch.__version__}, lightning {lightning.__version__}, hydra {hydra.__version__}, optuna {optuna.__version__}')"

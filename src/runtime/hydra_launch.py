@@ -4,13 +4,18 @@ Lightning's launcher leaves ``LOCAL_RANK``/``MASTER_PORT``/... in the parent's e
 process group alive. The next job of a multirun would then believe its processes were started
 externally and wait for a rank that never comes. :func:`isolated_job` restores the environment and
 tears the group down after each job.
+
+:func:`entry_command` is how this Hydra app is started again in another process: by a child rank that
+joins one job, and by a worker process of a parallel search.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 from src.runtime.exit_cleanup import destroy_default_group
 
@@ -25,3 +30,24 @@ def isolated_job() -> Iterator[None]:
         destroy_default_group()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def entry_command(hc: Any) -> list[str]:
+    """The interpreter, script (or ``-m`` module), config path and config name of this Hydra app.
+
+    ``hc`` is the ``hydra`` node of the running config. A child rank (``child_command``) and a search's worker
+    process (``src/search/sweeper.py``) add their overrides to it.
+    """
+    from hydra.utils import to_absolute_path
+
+    import __main__
+
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    main_source = next((s for s in hc.runtime.config_sources if s.provider == "main"), None)
+    if main_source is not None and main_source.path.startswith("file://"):
+        command.append(f"--config-path={main_source.path.removeprefix('file://')}")
+    command.append(f"--config-name={hc.job.config_name}")
+    return command

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import lightning as L
 
 from src.data.components.global_batch import per_replica_batch_size
+from src.runtime.hydra_launch import entry_command
 from src.runtime.local_store import STORE_ENV, prepare_local_store
 from src.runtime.rendezvous import check_rendezvous
 from src.utils import lightning_compat as compat
@@ -108,19 +108,10 @@ _PARENT_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.job.", "hydra
 def child_command(local_rank: int) -> tuple[list[str], str]:
     """Command and cwd that start rank ``local_rank`` of the current Hydra job (run or multirun)."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.utils import get_original_cwd, to_absolute_path
-
-    import __main__
+    from hydra.utils import get_original_cwd
 
     hc = HydraConfig.get()
-    if __main__.__spec__ is None:
-        command = [sys.executable, to_absolute_path(sys.argv[0])]
-    else:
-        command = [sys.executable, "-m", __main__.__spec__.name]
-    main_source = next((s for s in hc.runtime.config_sources if s.provider == "main"), None)
-    if main_source is not None and main_source.path.startswith("file://"):
-        command.append(f"--config-path={main_source.path.removeprefix('file://')}")
-    command.append(f"--config-name={hc.job.config_name}")
+    command = entry_command(hc)
     command += [o for o in hc.overrides.hydra if not o.lstrip("~+").startswith(_PARENT_ONLY)]
     command += list(hc.overrides.task)
     command += [

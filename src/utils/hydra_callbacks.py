@@ -20,6 +20,7 @@ from src.utils.checkpoint import check_no_earlier_checkpoints
 from src.utils.errors import ConfigError
 from src.utils.resolvers import rank_zero_value
 from src.utils.run_identity import forget_run_dir
+from src.utils.run_status import PRUNED, read_status
 
 
 def unwritable_reason(directory: Path) -> str | None:
@@ -65,16 +66,6 @@ class OutputDirCheck(Callback):
         self._check(config.hydra.sweep.dir)
 
 
-class MakeDir(Callback):
-    """Create ``path`` before the sweeper starts (SQLite creates a database file, not its directory)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-
-
 # -- multirun: every job's metric, and the best job ------------------------------------------------------
 RESULT_FILE = "result.yaml"  # in each job's dir
 BEST_FILE = "best.yaml"  # in the sweep dir
@@ -84,18 +75,24 @@ class SweepRecord(Callback):
     """Record each multirun job's returned metric; at the end, print the best job and save it to ``best.yaml``.
 
     Each job writes ``result.yaml`` (overrides, metric) into its own dir, from global rank 0 only, so the
-    record also works when jobs run in other processes (submitit) and for any sweeper (grid, Optuna).
+    record also works when jobs run in other processes (submitit) and for any sweeper (grid, Optuna). A job
+    whose run was pruned (``status.yaml``) is recorded as ``PRUNED`` with no value: it never counts as best.
     """
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN or rank_zero_value("0") is None:
             return  # a plain run, or a non-zero rank of a job (srun tasks, child ranks)
+        output_dir = Path(config.hydra.runtime.output_dir)
+        pruned = read_status(output_dir) == PRUNED
+        completed = job_return.status == JobStatus.COMPLETED and not pruned
         result = {"job": int(config.hydra.job.num), "overrides": list(job_return.overrides or []),
-                  "dir": str(config.hydra.runtime.output_dir), "status": job_return.status.name,
-                  "value": job_return.return_value if job_return.status == JobStatus.COMPLETED else None}
-        OmegaConf.save(OmegaConf.create(result), Path(config.hydra.runtime.output_dir) / RESULT_FILE)
+                  "dir": str(output_dir), "status": "PRUNED" if pruned else job_return.status.name,
+                  "value": job_return.return_value if completed else None}
+        OmegaConf.save(OmegaConf.create(result), output_dir / RESULT_FILE)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.sweeper.get("worker") is not None:
+            return  # a worker process of a parallel search: the process that started the workers sums up
         sweep_dir = Path(config.hydra.sweep.dir)
         results = sorted((OmegaConf.to_container(OmegaConf.load(p)) for p in sweep_dir.glob(f"**/{RESULT_FILE}")),
                          key=lambda r: r["job"])
@@ -106,7 +103,8 @@ class SweepRecord(Callback):
         swept = [o for o in best["overrides"] if not all(o in r["overrides"] for r in results)]
         record = {"metric": config.get("optimized_metric"), "mode": config.get("optimized_mode", "max"), **best,
                   "swept": swept, "jobs": len(results),
-                  "completed": sum(r["status"] == "COMPLETED" for r in results)}
+                  "completed": sum(r["status"] == "COMPLETED" for r in results),
+                  "pruned": sum(r["status"] == "PRUNED" for r in results)}
         OmegaConf.save(OmegaConf.create(record), sweep_dir / BEST_FILE)
         print(f"[sweep] best of {len(results)} jobs: job {best['job']}, {record['metric']}={best['value']:.6g} "
               f"({record['mode']}) with {' '.join(swept or best['overrides'])}; saved to {sweep_dir / BEST_FILE}",

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from src.runtime.launch_context import launch_context
-from src.utils.run_status import FINISHED, read_status
+from src.utils.run_status import ENDED, read_status
 
 LOCK_FILE = ".lock"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
@@ -59,7 +59,7 @@ def _choose(root: Path, overrides: list[str], auto_resume: bool) -> Path:
         # every rank must reach the same answer without talking: the first of name, name_2, ... not finished
         name = f"{job_id}_{hashlib.sha1(chr(10).join(overrides).encode()).hexdigest()[:8]}"
         return next(root / (name if n == 1 else f"{name}_{n}") for n in range(1, 10_000)
-                    if read_status(root / (name if n == 1 else f"{name}_{n}")) != FINISHED)
+                    if read_status(root / (name if n == 1 else f"{name}_{n}")) not in ENDED)
     stamp = torchrun_stamp()
     if stamp is not None:
         return root / stamp
@@ -90,7 +90,7 @@ def _unfinished_run(root: Path, overrides: list[str]) -> Path | None:
         return None
     candidates = [d for d in root.iterdir() if (d / "checkpoints" / "last.ckpt").is_file()]
     for run in sorted(candidates, key=lambda d: (d / "checkpoints" / "last.ckpt").stat().st_mtime, reverse=True):
-        if read_status(run) == FINISHED or _recorded_overrides(run) != overrides:
+        if read_status(run) in ENDED or _recorded_overrides(run) != overrides:
             continue
         if _lock(run):
             return run

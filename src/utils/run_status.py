@@ -1,4 +1,4 @@
-"""``<run dir>/status.yaml``: whether a run is running, finished, preempted or failed, and where it stopped.
+"""``<run dir>/status.yaml``: whether a run is running, finished, pruned, preempted or failed, and where it stopped.
 
 Auto-resume (:mod:`src.utils.run_identity`) takes over only runs that did not finish; users and
 cluster scripts read the same file to see what happened to a run.
@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # imported by the run-dir resolver, before logging is set up:
 
 STATUS_FILE = "status.yaml"
 RUNNING, FINISHED, PREEMPTED, FAILED = "running", "finished", "preempted", "failed"
+PRUNED = "pruned"  # a search's trial that its pruner stopped early (src/callbacks/optuna_pruning.py)
+ENDED = (FINISHED, PRUNED)  # runs that ended as they should: nothing to resume
 
 
 def write_status(run_dir: str | os.PathLike, status: str, detail: str = "") -> None:
@@ -46,7 +48,10 @@ def read_status(run_dir: str | os.PathLike) -> str | None:
 
 @contextlib.contextmanager
 def run_status(trainer: L.Trainer, run_dir: str | os.PathLike) -> Iterator[None]:
-    """Around ``fit``: ``running``, then ``finished``, ``preempted`` (a stop signal) or ``failed`` (any error)."""
+    """Around ``fit``: ``running``, then ``finished``, ``preempted`` (a stop signal) or ``failed`` (any error).
+
+    A callback that ended the run early on purpose says how in its ``ended_run_as`` (status, detail).
+    """
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     if launch_context().is_launching_process:  # before fit the ranks are not known yet
@@ -61,4 +66,6 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike) -> Iterator[None]
             write_status(run_dir, PREEMPTED if preempted else FAILED, detail)
         raise
     if trainer.is_global_zero:
-        write_status(run_dir, FINISHED, f"epoch {trainer.current_epoch}, global step {trainer.global_step}")
+        ended = next((c.ended_run_as for c in trainer.callbacks if getattr(c, "ended_run_as", None)), None)
+        where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
+        write_status(run_dir, *(ended or (FINISHED, where)))

@@ -1,0 +1,191 @@
+"""An Optuna search over Hydra jobs: pruned trials, trials in parallel processes, resumable searches.
+
+``hydra-optuna-sweeper`` pins Optuna 2.x and sees only each trial's final value, so it never prunes. Here
+the sweeper asks the study for a trial, launches it as one Hydra job (through whatever launcher is set:
+in-process, submitit), and tells the study its result; the job's rank 0 reports its validation metric
+after every epoch and stops early when the pruner says so (``src/callbacks/optuna_pruning.py``).
+
+* **One trial, one job, one dir.** Trial ``n`` is job ``n`` in ``<sweep dir>/n`` and trains with
+  ``seed + n`` (``seed_per_trial``), both kept for the life of the study.
+* **Parallel.** With ``n_jobs > 1`` the sweep starts that many worker processes, each this same command
+  with ``hydra.sweeper.worker=i``: each runs trials one after another against the shared study, as Optuna's
+  own parallel optimisation does. A worker gets its share of the GPUs (``CUDA_VISIBLE_DEVICES``) when its
+  jobs run in-process, and its own sampler seed. A lock file makes ask-and-count atomic across workers, so
+  exactly ``n_trials`` trials run.
+* **Resumable.** The study lives in a file (or database) in the sweep dir. Re-running the same command
+  continues it: finished trials are skipped, and a trial left ``RUNNING`` by a killed search runs again in
+  its own dir, from its ``last.ckpt``. While a search runs, its dir is locked (``flock``), so a second
+  command cannot take its trials for dead ones.
+
+Hydra builds its sweeper only from a module under ``hydra_plugins`` (``hydra.core.plugins``), so
+``hydra_plugins/optuna_search`` holds the ``Sweeper`` Hydra sees; it hands the sweep to :class:`OptunaSearch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+from hydra.core.utils import JobStatus
+from hydra.plugins.launcher import Launcher
+from omegaconf import DictConfig
+from optuna.trial import TrialState
+
+from src.runtime.hydra_launch import entry_command
+from src.search.study import open_study, search_space, trial_overrides
+from src.utils.errors import ConfigError
+
+SEARCH_LOCK, ASK_LOCK = ".search.lock", ".ask.lock"  # in the sweep dir
+# Hydra overrides a worker gets from the sweep itself, not from the command that started the sweep
+_SET_FOR_WORKERS = ("hydra.mode", "hydra.sweep.dir", "hydra.sweeper.worker", "hydra.sweeper.resume")
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+class OptunaSearch:
+    """One process's part of a search: the whole search, or one worker's trials (``worker``)."""
+
+    def __init__(self, config: DictConfig, launcher: Launcher) -> None:
+        """``config``: the sweep's config (its ``hydra.sweeper`` node is this search's settings)."""
+        sweeper = config.hydra.sweeper
+        if sweeper.direction not in ("maximize", "minimize"):
+            raise ConfigError(f"hydra.sweeper.direction={sweeper.direction!r}; fix: maximize or minimize "
+                              "(optimized_mode=max or min)")
+        if sweeper.n_trials < 1 or sweeper.n_jobs < 1:
+            raise ConfigError(f"hydra.sweeper.n_trials={sweeper.n_trials}, n_jobs={sweeper.n_jobs}; "
+                              "fix: both at least 1")
+        self.config, self.launcher, self.sweeper = config, launcher, sweeper
+        self.n_trials, self.n_jobs, self.worker = sweeper.n_trials, sweeper.n_jobs, sweeper.get("worker")
+
+    def sweep(self, arguments: list[str]) -> None:
+        sweeper = self.sweeper
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)  # the journal file goes there before any job runs
+        fixed, space = search_space(sweeper.params, arguments)
+        if self.worker is not None:  # a worker of a parallel search: its share of the trials
+            offset = self.worker + self.n_jobs * len(open_study(sweeper).trials)  # unique per worker and restart
+            self._run_trials(open_study(sweeper, sampler_seed_offset=offset), fixed, space, list(sweeper.resume))
+            return
+        lock = _hold_search_lock(sweep_dir)  # released by the kernel when this process and its workers end
+        study = open_study(sweeper, sampler_seed_offset=0)
+        self._check_same_command(study, sweep_dir)
+        stale = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+        done = len(study.get_trials(deepcopy=False, states=FINISHED))
+        print(f"[search] study {sweeper.study_name} in {sweep_dir}: {done} of {self.n_trials} trials done"
+              + (f", {len(stale)} to resume ({', '.join(map(str, stale))})" if stale else "")
+              + f"; {self.n_jobs} at a time", flush=True)
+        if self.n_jobs == 1:
+            self._run_trials(study, fixed, space, stale)
+        else:
+            self._run_workers(stale, lock)
+
+    # -- trials ----------------------------------------------------------------------------------------
+    def _run_trials(self, study: optuna.Study, fixed: list[str], space: dict, resume: list[int]) -> None:
+        """Run the trials a killed search left running, then ask for new ones until ``n_trials`` have started."""
+        parent = os.getppid()
+        for number in resume:
+            self._run_trial(study, number, study.trials[number].params, fixed)
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        while self.worker is None or os.getppid() == parent:  # a worker whose sweep is gone starts nothing new
+            with _locked(sweep_dir / ASK_LOCK):
+                started = study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+                if len(started) >= self.n_trials:
+                    return
+                trial = study.ask(space)
+            self._run_trial(study, trial.number, trial.params, fixed)
+
+    def _run_trial(self, study: optuna.Study, number: int, params: dict, fixed: list[str]) -> None:
+        """Trial ``number`` as job ``number``; its result told to the study (a pruned trial was told already)."""
+        seed = self.config.get("seed")
+        seed = seed + number if self.sweeper.seed_per_trial and seed is not None else None
+        [job] = self.launcher.launch([trial_overrides(fixed, params, seed)], initial_job_idx=number)
+        told = study.get_trials(deepcopy=False)[number]  # a study's trials are listed in the order of their numbers
+        if told.state == TrialState.RUNNING:  # else pruned: the job's rank 0 told the study so
+            # a value of NaN or None: Optuna records the trial as FAIL and says why
+            told = study.tell(number, job.return_value if job.status == JobStatus.COMPLETED else None,
+                              state=None if job.status == JobStatus.COMPLETED else TrialState.FAIL)
+        value = "" if told.value is None else f", value {told.value:.6g}"  # pruned: its last reported value
+        print(f"[search] trial {number}: {told.state.name}{value}", flush=True)
+        if job.status != JobStatus.COMPLETED:
+            _ = job.return_value  # raises the job's error, as Hydra's own sweepers do
+
+    def _check_same_command(self, study: optuna.Study, sweep_dir: Path) -> None:
+        """A study continues only under the command that started it: its results must stay comparable."""
+        command = list(self.config.hydra.overrides.task)
+        started_with = study.user_attrs.get("overrides")
+        if started_with is None:
+            study.set_user_attr("overrides", command)
+        elif started_with != command:
+            raise ConfigError(
+                f"the search in {sweep_dir} was started with other overrides ({' '.join(started_with)}); fix: run "
+                "it with those to continue it, or start another search with hydra.sweeper.study_name=<new name>")
+
+    # -- parallel workers ------------------------------------------------------------------------------
+    def _run_workers(self, stale: list[int], lock: int) -> None:
+        """Start ``n_jobs`` workers (this command, ``hydra.sweeper.worker=i``) and wait for them all."""
+        cwd = self.config.hydra.runtime.cwd
+        workers = [subprocess.Popen(self._worker_command(i, stale[i::self.n_jobs]), cwd=cwd, pass_fds=(lock,),
+                                    env={**os.environ, **self._worker_devices(i)}) for i in range(self.n_jobs)]
+        try:
+            codes = [w.wait() for w in workers]
+        finally:  # interrupted: the workers' trials stay RUNNING and are resumed by the next run
+            for w in workers:
+                if w.poll() is None:
+                    w.terminate()
+                    w.wait()
+        failed = next((code for code in codes if code), 0)
+        if failed:
+            raise SystemExit(failed)
+
+    def _worker_command(self, worker: int, resume: list[int]) -> list[str]:
+        hc = self.config.hydra
+        inherited = [o for o in hc.overrides.hydra if not o.lstrip("~+").startswith(_SET_FOR_WORKERS)]
+        return [*entry_command(hc), *inherited, *hc.overrides.task, f'hydra.sweep.dir="{hc.sweep.dir}"',
+                "hydra.mode=MULTIRUN", f"hydra.sweeper.worker={worker}",
+                f"hydra.sweeper.resume=[{','.join(map(str, resume))}]"]
+
+    def _worker_devices(self, worker: int) -> dict[str, str]:
+        """``CUDA_VISIBLE_DEVICES`` for a worker whose jobs run in its own process: its share of the GPUs.
+
+        That is Hydra's ``basic`` launcher; jobs that a launcher sends elsewhere (submitit) get their GPUs there.
+        """
+        if self.config.hydra.runtime.choices.get("hydra/launcher") != "basic":
+            return {}
+        import torch
+
+        count = torch.cuda.device_count()
+        if count == 0:
+            return {}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = (visible.split(",") if visible else [str(i) for i in range(count)])[:count]
+        per_worker = max(1, len(ids) // self.n_jobs)  # fewer GPUs than workers: they share, round robin
+        mine = (ids[(worker * per_worker + i) % len(ids)] for i in range(per_worker))
+        return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
+def _hold_search_lock(sweep_dir: Path) -> int:
+    """Lock the search's dir for as long as this process (and the workers it passes the lock to) lives."""
+    fd = os.open(sweep_dir / SEARCH_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"another search is running in {sweep_dir} (it holds {SEARCH_LOCK}); fix: wait for it "
+                          "to end, or start this one elsewhere: hydra.sweeper.study_name=... (or hydra.sweep.dir=...)"
+                          ) from None
+    return fd
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
