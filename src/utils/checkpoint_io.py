@@ -20,6 +20,7 @@ import contextlib
 import os
 import pickle
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -56,7 +57,8 @@ def _alive(pid: int) -> bool:
 
 
 def cleanup_stale_temp_files(dirpath: _PATH) -> list[Path]:
-    """Remove the temp files of :class:`AtomicCheckpointIO` that a killed save left in ``dirpath``.
+    """Remove the temp files of :class:`AtomicCheckpointIO` (and temp folders of sharded checkpoints) that a killed
+    save left in ``dirpath``.
 
     Only names of the exact scheme ``.<name>.<pid>.<random>.tmp`` are touched, and only when the process
     ``<pid>`` is gone (or is this one), so a save in progress in another process on this machine is left
@@ -66,11 +68,15 @@ def cleanup_stale_temp_files(dirpath: _PATH) -> list[Path]:
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(dirpath):
             match = _TEMP_NAME.match(entry.name)
-            if match is None or not entry.is_file(follow_symlinks=False) or _alive(int(match["pid"])):
+            if match is None or _alive(int(match["pid"])):
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
+            if entry.is_dir(follow_symlinks=False):  # a sharded checkpoint's temp folder (src/utils/sharded_checkpoint.py)
+                shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
     return removed
 
 
@@ -182,7 +188,8 @@ class AtomicCheckpointIODefault:
 
 def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: bool = True) -> Any:
     """The one checkpoint loader: ``torch.load(path, weights_only=True)`` (no code runs while loading); a
-    :class:`CheckpointError` of one line naming the problem and a fix.
+    :class:`CheckpointError` of one line naming the problem and a fix. A sharded checkpoint (a folder, written by
+    ``trainer=fsdp``) is read whole into this process, as the single file of the same run would be.
 
     torch's own messages span many lines, and for a file it cannot unpickle suggest ``weights_only=False``,
     which would let a crafted file run code: never the fix here. ``weights_only=False`` is for a caller
@@ -192,6 +199,10 @@ def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: b
     shown = f"ckpt_path={str(path)!r}"
     if not path.exists():
         raise CheckpointError(f"{shown} does not exist; fix: pass the path of a .ckpt file")
+    from src.utils.sharded_checkpoint import is_sharded_checkpoint, read_sharded  # it builds on this module
+
+    if is_sharded_checkpoint(path):  # trainer=fsdp's folder: assembled whole, tensors only (weights_only)
+        return read_sharded(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.ckpt"))[:3]
         example = path / (inside[0] if inside else "last.ckpt")
