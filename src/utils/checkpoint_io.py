@@ -35,8 +35,10 @@ from src.utils.errors import CheckpointError
 _PATH = str | os.PathLike
 
 TEMP_SUFFIX = ".tmp"
+TEMP_DIR_SUFFIX = ".shards.tmp"  # the temp folder of a sharded checkpoint (src/utils/sharded_checkpoint.py)
 # ``.<checkpoint name>.<pid>.<8 random chars>.tmp``: tempfile.mkstemp's random part is 8 of [a-z0-9_].
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[a-z0-9_]{8}" + re.escape(TEMP_SUFFIX) + r"$")
+_TEMP_DIR_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[a-z0-9_]{8}" + re.escape(TEMP_DIR_SUFFIX) + r"$")
 
 
 def temp_prefix(checkpoint_name: str) -> str:
@@ -60,23 +62,25 @@ def cleanup_stale_temp_files(dirpath: _PATH) -> list[Path]:
     """Remove the temp files of :class:`AtomicCheckpointIO` (and temp folders of sharded checkpoints) that a killed
     save left in ``dirpath``.
 
-    Only names of the exact scheme ``.<name>.<pid>.<random>.tmp`` are touched, and only when the process
+    Only names of the exact schemes ``.<name>.<pid>.<random>.tmp`` (files) and ``.<name>.<pid>.<random>.shards.tmp``
+    (folders) are touched, and only when the process
     ``<pid>`` is gone (or is this one), so a save in progress in another process on this machine is left
     alone. Returns the removed paths.
     """
     removed: list[Path] = []
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(dirpath):
-            match = _TEMP_NAME.match(entry.name)
-            if match is None or _alive(int(match["pid"])):
+            is_dir = entry.is_dir(follow_symlinks=False)
+            match = (_TEMP_DIR_NAME if is_dir else _TEMP_NAME).match(entry.name)
+            if match is None or not (is_dir or entry.is_file(follow_symlinks=False)) or _alive(int(match["pid"])):
                 continue
-            if entry.is_dir(follow_symlinks=False):  # a sharded checkpoint's temp folder (src/utils/sharded_checkpoint.py)
+            if is_dir:  # a sharded checkpoint's temp folder (src/utils/sharded_checkpoint.py)
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(Path(entry.path))
-            elif entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                    removed.append(Path(entry.path))
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
     return removed
 
 

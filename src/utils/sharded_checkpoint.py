@@ -5,8 +5,8 @@ the tensors (weights and optimizer state, each rank its own shards); ``meta.pt``
 (epoch, step, loops, callbacks, hyper-parameters, the optimizers' param groups), written by global rank 0
 with ``torch.save``. Optimizer states are keyed by parameter name, so any number of ranks reads them.
 
-*Atomic.* Every rank writes into a temp folder beside the checkpoint (``.<name>.<pid>.<random>.tmp``, the
-scheme of :mod:`src.utils.checkpoint_io`); once all have, global rank 0 adds ``meta.pt`` and swaps the
+*Atomic.* Every rank writes into a temp folder beside the checkpoint (``.<name>.<pid>.<random>.shards.tmp``,
+which :mod:`src.utils.checkpoint_io` cleans up after a kill); once all have, global rank 0 adds ``meta.pt`` and swaps the
 folder in with one rename: ``renameat2(RENAME_EXCHANGE)`` on Linux when an older checkpoint is there, then
 deletes the old one. At every instant ``<name>`` is the old checkpoint or the new one, whole. Where the
 kernel or filesystem has no exchange, the old one is renamed aside first (a kill in between leaves it
@@ -39,7 +39,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from src.data.components.safe_unpickle import RefusedGlobal, RestrictedUnpickler
 from src.utils import lightning_compat as compat
-from src.utils.checkpoint_io import TEMP_SUFFIX, cleanup_stale_temp_files, load_checkpoint_file, temp_prefix
+from src.utils.checkpoint_io import (
+    TEMP_DIR_SUFFIX,
+    cleanup_stale_temp_files,
+    load_checkpoint_file,
+    temp_prefix,
+)
 from src.utils.errors import CheckpointError
 
 META_FILE = "meta.pt"  # Lightning's name for it too (its ModelParallelStrategy's sharded checkpoints)
@@ -113,8 +118,8 @@ def named_optimizer_state(indexed: dict[str, Any], names_in_order: list[str]) ->
     for group in indexed["param_groups"]:
         names = group.get("param_names") or names_in_order[len(name_of):len(name_of) + len(group["params"])]
         if len(names) != len(group["params"]):
-            raise CheckpointError("the checkpoint's optimizer state does not fit this model: resume with the model "
-                                  "and optimizer config it was trained with")
+            raise CheckpointError("the checkpoint's optimizer state does not fit this model; fix: resume with the "
+                                  "model and optimizer config it was trained with")
         name_of.update(zip(group["params"], names, strict=True))
         groups.append({**{k: v for k, v in group.items() if k != "param_names"}, "params": list(names)})
     return {"state": {name_of[i]: s for i, s in indexed["state"].items()}, "param_groups": groups}
@@ -136,7 +141,8 @@ class SafeReader(dcp.FileSystemReader):
             raise CheckpointError(f"cannot read {path}: the checkpoint is corrupt or incomplete ({err}); fix: use "
                                   "another checkpoint, e.g. an epoch_*.ckpt beside it") from None
         if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} is not a torch.distributed.checkpoint index")
+            raise CheckpointError(f"{path} is not a torch.distributed.checkpoint index; fix: use a checkpoint "
+                                  "saved by this project")
         others = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
         if others:
             raise CheckpointError(f"{self.path} holds non-tensor entries ({others[:3]}), which load as arbitrary "
@@ -193,7 +199,7 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], path: str | os.P
     if is_global_zero:
         path.parent.mkdir(parents=True, exist_ok=True)
         cleanup_stale_temp_files(path.parent)
-        tmp = tempfile.mkdtemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=TEMP_SUFFIX)
+        tmp = tempfile.mkdtemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=TEMP_DIR_SUFFIX)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private (0700); a checkpoint folder is not
     tmp = Path(broadcast(tmp))
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
@@ -232,7 +238,7 @@ def replace(src: Path, dest: Path) -> None:
     elif _exchange(src, dest):
         _remove(src)  # now the old checkpoint
     else:
-        old = Path(tempfile.mkdtemp(dir=dest.parent, prefix=temp_prefix(dest.name), suffix=TEMP_SUFFIX))
+        old = Path(tempfile.mkdtemp(dir=dest.parent, prefix=temp_prefix(dest.name), suffix=TEMP_DIR_SUFFIX))
         os.replace(dest, old / dest.name)
         os.replace(src, dest)
         _remove(old)

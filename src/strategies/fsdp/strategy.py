@@ -75,12 +75,12 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
                  timeout: timedelta | float | None = None, hang_timeout_s: float | None = 120.0,
                  sigterm_check_every_n_batches: int = 10) -> None:
         if state_dict_type not in STATE_DICT_TYPES:
-            raise ConfigError(f"trainer.strategy.state_dict_type={state_dict_type!r} must be sharded (a folder of "
-                              "shards) or full (one file)")
+            raise ConfigError(f"trainer.strategy.state_dict_type={state_dict_type!r} is not a checkpoint format; fix: "
+                              "sharded (a folder of shards) or full (one file)")
         if hybrid_shard_size is not None and (isinstance(hybrid_shard_size, bool)
                                               or not isinstance(hybrid_shard_size, int) or hybrid_shard_size < 1):
-            raise ConfigError(f"trainer.strategy.hybrid_shard_size={hybrid_shard_size!r} must be an integer >= 1, "
-                              "or null for the processes of one node")
+            raise ConfigError(f"trainer.strategy.hybrid_shard_size={hybrid_shard_size!r} must be an integer >= 1; fix: "
+                              "e.g. 2, or null for the processes of one node")
         timeout = collective_timeout(timeout)
         super().__init__(save_distributed_checkpoint=state_dict_type == "sharded",
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -113,7 +113,7 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
         precision = str(trainer_cfg.get("precision", "32-true"))
         if precision not in PRECISIONS:
             raise ConfigError(f"trainer.precision={precision} is not supported by trainer=fsdp (Lightning's FSDP2 "
-                              "runs no gradient scaler for float16): use bf16-mixed, bf16-true or 32-true")
+                              "runs no gradient scaler for float16); fix: use bf16-mixed, bf16-true or 32-true")
 
     def check_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule,
                             datamodule: pl.LightningDataModule | None = None) -> None:
@@ -122,14 +122,14 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
         check_shardable(model)
         if self.processes % self.shard_size:
             raise ConfigError(f"trainer=fsdp cannot split {self.processes} processes into hybrid shard groups of "
-                              f"{self.shard_size}: make trainer.strategy.hybrid_shard_size divide trainer.devices x "
-                              "trainer.num_nodes")
+                              f"{self.shard_size}; fix: make trainer.strategy.hybrid_shard_size divide trainer.devices "
+                              "x trainer.num_nodes")
         if self.cpu_offload and self.root_device.type != "cuda":
             raise ConfigError("trainer.strategy.cpu_offload=true moves GPU shards to the host, and this run is on "
-                              "the CPU already: set trainer.strategy.cpu_offload=false")
+                              "the CPU already; fix: set trainer.strategy.cpu_offload=false")
         if compat.layer_sync_of(self) is not None and self.root_device.type != "cuda":
-            raise ConfigError("trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm is GPU-only): "
-                              "set trainer.sync_batchnorm=false on CPU")
+            raise ConfigError("trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm is GPU-only); "
+                              "fix: set trainer.sync_batchnorm=false on CPU")
 
     def build_launcher(self) -> PreflightSubprocessLauncher:
         """Lightning's launcher for ModelParallelStrategy (popen, or the ranks torchrun/srun started), pre-flight added."""

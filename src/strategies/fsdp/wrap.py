@@ -31,9 +31,9 @@ def resolve_sharding(name: Any) -> str:
     """``full``, ``grad_op`` or ``hybrid`` (FSDP1's ``FULL_SHARD``... are read too); a ConfigError otherwise."""
     key = _ALIASES.get(str(name).lower(), str(name).lower())
     if key not in SHARDING_STRATEGIES:
-        raise ConfigError(f"trainer.strategy.sharding_strategy={name!r} is not one of full (params, grads and "
-                          "optimizer state sharded), grad_op (params kept whole between forward and backward), "
-                          "hybrid (sharded within a group of ranks, replicated across groups)")
+        raise ConfigError(f"trainer.strategy.sharding_strategy={name!r} is not a sharding strategy; fix: use "
+                          "full (params, grads and optimizer state sharded), grad_op (params kept whole between "
+                          "forward and backward) or hybrid (sharded within a group of ranks, replicated across them)")
     return key
 
 
@@ -49,20 +49,20 @@ def check_shardable(module: nn.Module) -> None:
     if not isinstance(net, nn.Sequential):
         got = "none" if net is None else type(net).__name__
         raise ConfigError(f"trainer=fsdp shards model.net by its named blocks, so it must be an nn.Sequential; "
-                          f"{kind}.net is {got}: build the network as named blocks (see src/models/components/mlp.py)")
+                          f"{kind}.net is {got}; fix: build the network as named blocks (see src/models/components/mlp.py)")
     if isinstance(net, FSDPModule):
         return  # sharded already (a second fit or test of the same module)
     if not shard_units(module):
-        raise ConfigError(f"trainer=fsdp found no block with parameters to shard in model.net ({kind}): give the "
-                          "net named blocks holding its layers, or train with trainer=ddp")
+        raise ConfigError(f"trainer=fsdp found no block with parameters to shard in model.net ({kind}); fix: give "
+                          "the net named blocks holding its layers, or train with trainer=ddp")
     in_net = {id(p) for p in net.parameters()}
     outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in in_net]
     if outside:
         raise ConfigError(f"trainer=fsdp shards model.net only, and {kind} has trainable parameters outside it "
-                          f"({outside[:3]}), which no rank would synchronise: move them into net's blocks")
+                          f"({outside[:3]}), which no rank would synchronise; fix: move them into net's blocks")
     if getattr(getattr(module, "hparams", None), "compile", False):
-        raise ConfigError("trainer=fsdp shards the net after it is compiled in place, which FSDP2 does not follow: "
-                          "set model.compile=false")
+        raise ConfigError("trainer=fsdp shards the net after it is compiled in place, which FSDP2 does not follow; "
+                          "fix: set model.compile=false")
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
