@@ -112,8 +112,9 @@ def worker(rank: int, world: int, port: int, contender: str, hidden: list[int], 
     everyone: list = [None] * world
     dist.all_gather_object(everyone, result)
     if rank == 0:
-        queue.put(everyone)
-    dist.destroy_process_group()
+        queue.put(everyone)  # a SimpleQueue writes at once: nothing is left to flush
+    dist.barrier()
+    os._exit(0)  # no interpreter teardown: gloo's threads may abort it (docs/faults.md), and the OS frees the rest
 
 
 def measure(contender: str, hidden: list[int], world: int, steps: int, port: int) -> list[tuple]:
