@@ -28,6 +28,7 @@ from lightning.pytorch.trainer.connectors import accelerator_connector, signal_c
 from torch import nn
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.device_mesh import DeviceMesh
 
 CHECKED_AGAINST = "lightning 2.6.6 and torch 2.14.1"
 
@@ -131,6 +132,8 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: SetInInit(ModelParallelStrategy), "_launcher", "the fsdp pre-flight launcher"),
     (lambda: SetInInit(ModelParallelStrategy), "_data_parallel_size", "the fsdp device mesh"),
     (lambda: SetInInit(ModelParallelStrategy), "_tensor_parallel_size", "the fsdp device mesh"),
+    (lambda: SetInInit(DeviceMesh), "_pg_registry", "fsdp's sub-groups released before the group is destroyed"),
+    (lambda: SetInInit(DeviceMesh), "_root_mesh", "fsdp's sub-groups released before the group is destroyed"),
     (lambda: torch.serialization, "_get_layout", "reading sharded checkpoints' metadata without running code"),
     (lambda: dcp_filesystem, "_StorageInfo", "reading sharded checkpoints' metadata without running code"),
     (lambda: dcp_metadata, "_MEM_FORMAT_ENCODING", "reading sharded checkpoints' metadata without running code"),
@@ -176,6 +179,14 @@ def set_mesh_sizes(strategy: ModelParallelStrategy, data_parallel: int, tensor_p
     known (its ``"auto"`` puts every device of a node on the tensor-parallel axis)."""
     strategy._data_parallel_size = data_parallel
     strategy._tensor_parallel_size = tensor_parallel
+
+
+def forget_mesh_groups(mesh: DeviceMesh) -> None:
+    """Drop the process groups a DeviceMesh (and its root) holds: the last Python references to its sub-groups,
+    so destroying the default group joins their gloo threads (:mod:`src.runtime.exit_cleanup`)."""
+    for holder in (mesh, getattr(mesh, "_root_mesh", None)):
+        if holder is not None:
+            holder._pg_registry.clear()
 
 
 def start_method_of(strategy: DDPStrategy) -> str:

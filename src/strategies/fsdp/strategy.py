@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
+from src.runtime.exit_cleanup import release_before_destroy
 from src.runtime.sigterm import install_sigterm_agreement
 from src.strategies.fsdp import checkpoint as ckpt
 from src.strategies.fsdp.wrap import (
@@ -141,7 +142,21 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
         self.accelerator.setup_device(self.root_device)
         self.join_process_group()
         super().setup_environment()  # Lightning keeps a group that is already up, and builds its mesh
+        release_before_destroy(self._release_groups)
         self.watch_process_group()
+
+    def _release_groups(self) -> None:
+        """Drop the meshes' sub-groups, so destroying the group at exit joins their threads (as the pipeline does)."""
+        for mesh in (self._device_mesh_or_none(), self.shard_mesh):
+            if mesh is not None:
+                compat.forget_mesh_groups(mesh)
+        self.shard_mesh = None
+
+    def _device_mesh_or_none(self) -> DeviceMesh | None:
+        try:
+            return self.device_mesh
+        except RuntimeError:  # Lightning's mesh is built in setup_environment
+            return None
 
     def _mesh_to_shard_over(self) -> DeviceMesh:
         if self.sharding_strategy != "hybrid":
