@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers.training_runs import (
     differing_weights,
     finish,
+    last_checkpoint,
     run_dirs,
     start,
     wait_for_checkpoint,
@@ -66,15 +66,17 @@ def kill_and_resume(log_dir: Path, extra: list[str], kills: int, seed: int) -> t
     return dirs[0], done
 
 
-@pytest.mark.parametrize("extra", [[], ["trainer=ddp", "trainer.devices=2"]], ids=["1-process", "ddp-2-ranks"])
+@pytest.mark.parametrize("extra", [[], ["trainer=ddp", "trainer.devices=2"], ["trainer=fsdp", "trainer.devices=2"]],
+                         ids=["1-process", "ddp-2-ranks", "fsdp-2-ranks"])
 def test_killed_runs_resume_bit_exact(tmp_path, extra, reference_runs):
     ref_dir = reference_runs(*extra)
 
-    # one process: three kills (random, mid-save, random); DDP: two (random, mid-save), as its restarts cost more
+    # one process: three kills (random, mid-save, random); DDP and FSDP: two (random, mid-save), as their restarts
+    # cost more; FSDP's last.ckpt is a folder of shards, swapped in whole
     run_dir, kills = kill_and_resume(tmp_path / "killed", extra, kills=2 if extra else 3, seed=len(extra))
     assert kills >= 2, f"only {kills} kills landed while the run was training"
     assert "status: finished" in (run_dir / "status.yaml").read_text()
     differing = differing_weights(ref_dir, run_dir)
     assert not differing, f"after {kills} kills, weights differ from the uninterrupted run in {differing}"
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 180
+    assert last_checkpoint(run_dir)["global_step"] == 180
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]

@@ -205,7 +205,7 @@ def test_load_refuses_a_checkpoint_that_runs_code(tmp_path):
 
 # -- wiring: every trainer config, and the strategy mixin ----------------------------------------------
 @pytest.mark.fast
-@pytest.mark.parametrize("trainer_cfg", ["default", "cpu", "ddp", "ddp_spawn", "dp", "pipeline"])
+@pytest.mark.parametrize("trainer_cfg", ["default", "cpu", "ddp", "ddp_spawn", "dp", "pipeline", "fsdp"])
 def test_every_trainer_config_saves_atomically(make_cfg, trainer_cfg):
     cfg = make_cfg("train", [f"trainer={trainer_cfg}", "trainer.accelerator=cpu"])
     trainer = hydra.utils.instantiate(cfg.trainer)

@@ -1,6 +1,6 @@
 """A rank that dies or freezes ends every rank soon, with one line naming it, and leaves no process behind.
 
-Two DDP ranks over gloo, started as a user would; the fault is a real signal to one rank: SIGKILL (dead)
+Two DDP (or FSDP) ranks over gloo, started as a user would; the fault is a real signal to one rank: SIGKILL (dead)
 or SIGSTOP (frozen: no heartbeat, no progress, no exit). The run stays resumable (last.ckpt).
 """
 
@@ -18,7 +18,7 @@ from tests.helpers.training_runs import finish, run_dirs, start, wait_for_checkp
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
-LONG = ["trainer=ddp", "trainer.devices=2", "trainer.max_epochs=50", "trainer.strategy.hang_timeout_s=5"]
+LONG = ["trainer.devices=2", "trainer.max_epochs=50", "trainer.strategy.hang_timeout_s=5"]
 
 
 def ranks(proc) -> dict[int, psutil.Process]:
@@ -27,10 +27,12 @@ def ranks(proc) -> dict[int, psutil.Process]:
     return {0: psutil.Process(proc.pid), 1: child}
 
 
-@pytest.mark.parametrize(("victim", "fault"), [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)],
-                         ids=["rank-1-dies", "rank-0-dies", "rank-1-freezes"])
-def test_a_failed_rank_ends_the_job_and_is_named(tmp_path, victim, fault):
-    proc = start(tmp_path, *LONG)
+@pytest.mark.parametrize(("victim", "fault", "strategy"),
+                         [(1, signal.SIGKILL, "ddp"), (0, signal.SIGKILL, "ddp"), (1, signal.SIGSTOP, "ddp"),
+                          (1, signal.SIGKILL, "fsdp"), (1, signal.SIGSTOP, "fsdp")],
+                         ids=["rank-1-dies", "rank-0-dies", "rank-1-freezes", "fsdp-rank-1-dies", "fsdp-rank-1-freezes"])
+def test_a_failed_rank_ends_the_job_and_is_named(tmp_path, victim, fault, strategy):
+    proc = start(tmp_path, f"trainer={strategy}", *LONG)
     assert wait_for_checkpoint(proc, tmp_path)
     procs = ranks(proc)
     hit = procs[victim]
@@ -53,4 +55,4 @@ def test_a_failed_rank_ends_the_job_and_is_named(tmp_path, victim, fault):
         assert re.match(rf"error: rank {victim} \(host \S+, pid {hit.pid}\) (died|stopped responding)", lines[0])
         assert "Traceback" not in proc.stderr_text
     (run_dir,) = run_dirs(tmp_path)
-    assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # resumable: re-running the command continues
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()  # resumable: re-running the command continues

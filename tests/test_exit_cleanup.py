@@ -35,6 +35,16 @@ def _strategy(kind: str):
     from src.strategies.ddp import DDPStrategy
     from src.strategies.pipeline.strategy import PipelineStrategy
 
+    if kind == "fsdp":  # Lightning's ModelParallelStrategy takes these from the Trainer, not its constructor
+        from lightning.pytorch.demos.boring_classes import BoringModel
+
+        from src.strategies.fsdp import FSDPStrategy
+
+        strategy = FSDPStrategy(process_group_backend="gloo")
+        strategy.accelerator, strategy.cluster_environment = CPUAccelerator(), LightningEnvironment()
+        strategy.parallel_devices = [torch.device("cpu")] * 2
+        strategy.connect(BoringModel())  # its setup_environment hands the module the device mesh
+        return strategy
     cls = {"ddp": DDPStrategy, "pipeline": PipelineStrategy}[kind]
     return cls(accelerator=CPUAccelerator(), parallel_devices=[torch.device("cpu")] * 2,
                cluster_environment=LightningEnvironment(), process_group_backend="gloo")
@@ -44,7 +54,7 @@ def rank_syncs_then_exits(local_rank: int, port: int, kind: str) -> None:
     """One rank: set up the groups through the project's strategy, run a collective, then exit."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(local_rank))
     strategy = _strategy(kind)
-    strategy.setup_environment()  # the process group (and, for the pipeline, its mesh of sub-groups)
+    strategy.setup_environment()  # the process group (and, for the pipeline and fsdp, a mesh of sub-groups)
     gathered = [torch.empty(1000) for _ in range(2)]
     dist.all_gather(gathered, torch.full((1000,), float(local_rank)),
                     group=strategy._mesh.pp_group if kind == "pipeline" else None)
@@ -56,7 +66,7 @@ def rank_syncs_then_exits(local_rank: int, port: int, kind: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["ddp", "pipeline"])
+@pytest.mark.parametrize("kind", ["ddp", "pipeline", "fsdp"])
 def test_no_gloo_thread_outlives_the_exit_handlers(kind):
     # A rank that dies with a signal raises ProcessExitedException; a failed assert, ProcessRaisedException.
     mp.start_processes(rank_syncs_then_exits, args=(find_free_network_port(), kind), nprocs=2, start_method="spawn")

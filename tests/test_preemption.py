@@ -57,11 +57,12 @@ def test_sigterm_saves_exits_143_and_the_same_command_resumes_bit_exact(tmp_path
     assert not differing_weights(one_process_reference, run_dir)
 
 
-def test_ddp_sigterm_to_one_rank_stops_both_at_one_batch_and_resumes_bit_exact(tmp_path, reference_runs):
-    ddp = ["trainer=ddp", "trainer.devices=2"]
-    reference = reference_runs(*ddp)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigterm_to_one_rank_stops_both_at_one_batch_and_resumes_bit_exact(tmp_path, reference_runs, strategy):
+    launch = [f"trainer={strategy}", "trainer.devices=2"]
+    reference = reference_runs(*launch)
     log_dir = tmp_path / "preempted"
-    proc = start(log_dir, *ddp)
+    proc = start(log_dir, *launch)
     assert wait_for_checkpoint(proc, log_dir)
     (child,) = psutil.Process(proc.pid).children()  # rank 1, started by rank 0
     signal_once_training(proc, log_dir, signal.SIGTERM, target_pid=child.pid)
@@ -73,7 +74,7 @@ def test_ddp_sigterm_to_one_rank_stops_both_at_one_batch_and_resumes_bit_exact(t
                        (run_dir / "train.log").read_text())
     assert sorted(rank for rank, _ in stops) == ["0", "1"] and len({where for _, where in stops}) == 1, stops
 
-    again = start(log_dir, *ddp)
+    again = start(log_dir, *launch)
     assert finish(again) == 0, again.stderr_text[-3000:]
     assert run_dirs(log_dir) == [run_dir]
     assert not differing_weights(reference, run_dir)

@@ -40,12 +40,29 @@ def build_optimizer(factory: Callable[..., torch.optim.Optimizer], params: Itera
     (unfused) optimizer is built instead.
     """
     params = list(params)
+    if fused and takes_fused(factory) and not fused_on_shards(factory, params):
+        log.info(f"{factory.func.__name__}: torch has no fused step for sharded (DTensor) parameters; using the "
+                 "default implementation")
+        fused = False
     if fused and takes_fused(factory):
         try:
             return factory(params=params, fused=True)
         except (RuntimeError, ValueError) as err:  # no fused kernel for this device/dtype
             log.info(f"{factory.func.__name__}: no fused kernel here ({err}); using the default implementation")
     return factory(params=params)
+
+
+# The fused steps torch gives DTensor rules for (its DTensor pointwise ops list them; SGD's is missing in 2.14)
+FUSED_ON_DTENSOR = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def fused_on_shards(factory: functools.partial, params: list[torch.nn.Parameter]) -> bool:
+    """False when ``params`` are FSDP2 shards (DTensors) and the fused step of ``factory``'s class has no DTensor rule."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in params):
+        return True
+    return isinstance(factory.func, type) and issubclass(factory.func, FUSED_ON_DTENSOR)
 
 
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:

@@ -12,28 +12,18 @@ from src.utils.errors import CheckpointError, ConfigError
 
 
 def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module) -> None:
-    """Fail early, in one line, when ``ckpt_path`` is missing, unreadable or from another model.
+    """Fail early, in one line, when ``ckpt_path`` is missing, unreadable or from another model (a file, or a
+    sharded folder).
 
     Lightning would only find out after launching processes and building the trainer,
     and a size mismatch surfaces there as a long ``load_state_dict`` traceback.
     """
-    # imported here: it loads Lightning, and Hydra's callbacks import this module before the job starts
-    from src.utils.checkpoint_io import load_checkpoint_file
-
     path = Path(ckpt_path)
-    state = load_checkpoint_file(path)
-    if not isinstance(state, dict) or "state_dict" not in state:
-        raise CheckpointError(
-            f"{path} is not a Lightning checkpoint (no 'state_dict' entry); fix: pass a .ckpt file saved by "
-            "Lightning (checkpoints/last.ckpt or epoch_*.ckpt of a run)"
-        )
+    saved = saved_weight_shapes(path)
     expected = model.state_dict()
-    saved = state["state_dict"]
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
-    mismatched = [
-        k for k in expected.keys() & saved.keys() if tuple(expected[k].shape) != tuple(saved[k].shape)
-    ]
+    mismatched = [k for k in expected.keys() & saved.keys() if tuple(expected[k].shape) != saved[k]]
     if missing or unexpected or mismatched:
         detail = "; ".join(
             f"{label}: {keys[:3]}{' ...' if len(keys) > 3 else ''}"
@@ -49,6 +39,24 @@ def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module) -> None:
         )
 
 
+def saved_weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """``{key: shape}`` of a checkpoint's weights: a file's ``state_dict``, or a sharded folder's index alone."""
+    # imported here: they load Lightning, and Hydra's callbacks import this module before the job starts
+    from src.utils.checkpoint_io import load_checkpoint_file
+    from src.utils.sharded_checkpoint import is_sharded_checkpoint, read_meta, saved_shapes
+
+    if is_sharded_checkpoint(path):
+        read_meta(path)  # the folder's other half: a clear error now if it is missing
+        return saved_shapes(path)
+    state = load_checkpoint_file(path)
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise CheckpointError(
+            f"{path} is not a Lightning checkpoint (no 'state_dict' entry); fix: pass a .ckpt file saved by "
+            "Lightning (checkpoints/last.ckpt or epoch_*.ckpt of a run)"
+        )
+    return {k: tuple(v.shape) for k, v in state["state_dict"].items()}
+
+
 LAST_CHECKPOINT = Path("checkpoints") / "last.ckpt"
 
 
@@ -57,7 +65,7 @@ def resume_checkpoint(cfg: DictConfig, run_dir: str | Path) -> str | None:
     if cfg.get("ckpt_path"):
         return str(cfg.ckpt_path)
     last = Path(run_dir) / LAST_CHECKPOINT
-    if cfg.get("train") and cfg.get("auto_resume") and last.is_file():
+    if cfg.get("train") and cfg.get("auto_resume") and last.exists():  # a file, or trainer=fsdp's folder
         return str(last)
     return None
 

@@ -20,6 +20,7 @@ import contextlib
 import os
 import pickle
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -34,8 +35,10 @@ from src.utils.errors import CheckpointError
 _PATH = str | os.PathLike
 
 TEMP_SUFFIX = ".tmp"
+TEMP_DIR_SUFFIX = ".shards.tmp"  # the temp folder of a sharded checkpoint (src/utils/sharded_checkpoint.py)
 # ``.<checkpoint name>.<pid>.<8 random chars>.tmp``: tempfile.mkstemp's random part is 8 of [a-z0-9_].
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[a-z0-9_]{8}" + re.escape(TEMP_SUFFIX) + r"$")
+_TEMP_DIR_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[a-z0-9_]{8}" + re.escape(TEMP_DIR_SUFFIX) + r"$")
 
 
 def temp_prefix(checkpoint_name: str) -> str:
@@ -56,17 +59,24 @@ def _alive(pid: int) -> bool:
 
 
 def cleanup_stale_temp_files(dirpath: _PATH) -> list[Path]:
-    """Remove the temp files of :class:`AtomicCheckpointIO` that a killed save left in ``dirpath``.
+    """Remove the temp files of :class:`AtomicCheckpointIO` (and temp folders of sharded checkpoints) that a killed
+    save left in ``dirpath``.
 
-    Only names of the exact scheme ``.<name>.<pid>.<random>.tmp`` are touched, and only when the process
+    Only names of the exact schemes ``.<name>.<pid>.<random>.tmp`` (files) and ``.<name>.<pid>.<random>.shards.tmp``
+    (folders) are touched, and only when the process
     ``<pid>`` is gone (or is this one), so a save in progress in another process on this machine is left
     alone. Returns the removed paths.
     """
     removed: list[Path] = []
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(dirpath):
-            match = _TEMP_NAME.match(entry.name)
-            if match is None or not entry.is_file(follow_symlinks=False) or _alive(int(match["pid"])):
+            is_dir = entry.is_dir(follow_symlinks=False)
+            match = (_TEMP_DIR_NAME if is_dir else _TEMP_NAME).match(entry.name)
+            if match is None or not (is_dir or entry.is_file(follow_symlinks=False)) or _alive(int(match["pid"])):
+                continue
+            if is_dir:  # a sharded checkpoint's temp folder (src/utils/sharded_checkpoint.py)
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
@@ -182,7 +192,8 @@ class AtomicCheckpointIODefault:
 
 def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: bool = True) -> Any:
     """The one checkpoint loader: ``torch.load(path, weights_only=True)`` (no code runs while loading); a
-    :class:`CheckpointError` of one line naming the problem and a fix.
+    :class:`CheckpointError` of one line naming the problem and a fix. A sharded checkpoint (a folder, written by
+    ``trainer=fsdp``) is read whole into this process, as the single file of the same run would be.
 
     torch's own messages span many lines, and for a file it cannot unpickle suggest ``weights_only=False``,
     which would let a crafted file run code: never the fix here. ``weights_only=False`` is for a caller
@@ -192,6 +203,10 @@ def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: b
     shown = f"ckpt_path={str(path)!r}"
     if not path.exists():
         raise CheckpointError(f"{shown} does not exist; fix: pass the path of a .ckpt file")
+    from src.utils.sharded_checkpoint import is_sharded_checkpoint, read_sharded  # it builds on this module
+
+    if is_sharded_checkpoint(path):  # trainer=fsdp's folder: assembled whole, tensors only (weights_only)
+        return read_sharded(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.ckpt"))[:3]
         example = path / (inside[0] if inside else "last.ckpt")

@@ -167,6 +167,7 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
             f"trainer.devices={devices} but only {gpus} GPU(s) are visible: lower trainer.devices"
         )
 
+    check_with_strategy_class(trainer_cfg)
     backend = _strategy_option(trainer_cfg, "process_group_backend")
     if backend == "nccl" and not uses_gpu:
         raise ConfigError(
@@ -180,3 +181,17 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
         raise ConfigError(
             f"process_group_backend={backend!r} is not one of gloo, nccl, mpi (or null for auto)"
         )
+
+
+def check_with_strategy_class(trainer_cfg: DictConfig) -> None:
+    """A strategy class that owns checks of the trainer config (``check_trainer_config``) runs them now, before
+    the Trainer is built: Lightning refuses some combinations inside its constructor, with a traceback."""
+    strategy = trainer_cfg.get("strategy")
+    target = strategy.get("_target_") if isinstance(strategy, DictConfig) else None
+    try:
+        cls = hydra.utils.get_class(target) if target else None
+    except Exception:  # an unknown target fails where it is built, with Hydra's own message
+        return
+    check = getattr(cls, "check_trainer_config", None)
+    if callable(check):
+        check(trainer_cfg)

@@ -21,11 +21,14 @@ import torch.distributed as dist
 from lightning.fabric.utilities import optimizer as fabric_optimizer
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loops import training_epoch_loop
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.trainer.connectors import accelerator_connector, signal_connector
 from torch import nn
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.device_mesh import DeviceMesh
 
 CHECKED_AGAINST = "lightning 2.6.6 and torch 2.14.1"
 
@@ -125,6 +128,15 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: SetInInit(Strategy), "_checkpoint_io", "atomic checkpoint saves by default"),
     (lambda: SetInInit(SingleDeviceStrategy), "_root_device", "the single-device strategy taking the Trainer's device"),
     (lambda: dist.ProcessGroup, "_get_backend", "the pipelined ring all-reduce (coalesced sends on nccl)"),
+    (lambda: ModelParallelStrategy, "_configure_launcher", "the fsdp pre-flight launcher"),
+    (lambda: SetInInit(ModelParallelStrategy), "_launcher", "the fsdp pre-flight launcher"),
+    (lambda: SetInInit(ModelParallelStrategy), "_data_parallel_size", "the fsdp device mesh"),
+    (lambda: SetInInit(ModelParallelStrategy), "_tensor_parallel_size", "the fsdp device mesh"),
+    (lambda: SetInInit(DeviceMesh), "_pg_registry", "fsdp's sub-groups released before the group is destroyed"),
+    (lambda: SetInInit(DeviceMesh), "_root_mesh", "fsdp's sub-groups released before the group is destroyed"),
+    (lambda: torch.serialization, "_get_layout", "reading sharded checkpoints' metadata without running code"),
+    (lambda: dcp_filesystem, "_StorageInfo", "reading sharded checkpoints' metadata without running code"),
+    (lambda: dcp_metadata, "_MEM_FORMAT_ENCODING", "reading sharded checkpoints' metadata without running code"),
 )
 
 
@@ -160,6 +172,21 @@ class BuildsLauncher:
 
     def build_launcher(self) -> Any:
         raise NotImplementedError
+
+
+def set_mesh_sizes(strategy: ModelParallelStrategy, data_parallel: int, tensor_parallel: int) -> None:
+    """The ``data_parallel x tensor_parallel`` mesh Lightning builds in ``setup_environment``, once the world size is
+    known (its ``"auto"`` puts every device of a node on the tensor-parallel axis)."""
+    strategy._data_parallel_size = data_parallel
+    strategy._tensor_parallel_size = tensor_parallel
+
+
+def forget_mesh_groups(mesh: DeviceMesh) -> None:
+    """Drop the process groups a DeviceMesh (and its root) holds: the last Python references to its sub-groups,
+    so destroying the default group joins their gloo threads (:mod:`src.runtime.exit_cleanup`)."""
+    for holder in (mesh, getattr(mesh, "_root_mesh", None)):
+        if holder is not None:
+            holder._pg_registry.clear()
 
 
 def start_method_of(strategy: DDPStrategy) -> str:
@@ -269,6 +296,29 @@ def bound_forwards(module: nn.Module) -> list[str]:
     """
     return [name or "<root>" for name, m in module.named_modules()
             if "forward" in m.__dict__ or m.__dict__.get("_compiled_call_impl") is not None]
+
+
+# -- sharded checkpoints: the globals a torch.distributed.checkpoint ``.metadata`` pickle names ---------------
+def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """``(module, name) -> object`` for every global torch writes into a ``.metadata`` file: its metadata
+    dataclasses, ``torch.Size``, dtypes and layouts (by name), and paths. Nothing here runs code when called."""
+    import pathlib
+
+    meta = "torch.distributed.checkpoint.metadata"
+    found: dict[tuple[str, str], Any] = {
+        (meta, name): getattr(dcp_metadata, name)
+        for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                     "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
+    }
+    found[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_filesystem._StorageInfo
+    found[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a layout from its name
+    found[("torch", "Size")] = torch.Size
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+            found[("torch", name)] = value
+    found[("pathlib", "PosixPath")] = found[("pathlib", "WindowsPath")] = found[("pathlib", "Path")] = pathlib.Path
+    return found
 
 
 check_private_names()

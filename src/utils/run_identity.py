@@ -88,7 +88,7 @@ def _unfinished_run(root: Path, overrides: list[str]) -> Path | None:
     """The newest resumable run of these overrides that is not running (its lock is taken here)."""
     if not root.is_dir():
         return None
-    candidates = [d for d in root.iterdir() if (d / "checkpoints" / "last.ckpt").is_file()]
+    candidates = [d for d in root.iterdir() if (d / "checkpoints" / "last.ckpt").exists()]  # file or fsdp folder
     for run in sorted(candidates, key=lambda d: (d / "checkpoints" / "last.ckpt").stat().st_mtime, reverse=True):
         if read_status(run) in ENDED or _recorded_overrides(run) != overrides:
             continue

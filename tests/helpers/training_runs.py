@@ -44,15 +44,22 @@ def wait_for_checkpoint(proc: subprocess.Popen, log_dir: Path, timeout: float = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         for d in run_dirs(log_dir):
-            last = d / "checkpoints" / "last.ckpt"
-            if last.is_file() and last.stat().st_mtime > started:
+            last = d / "checkpoints" / "last.ckpt"  # a file, or trainer=fsdp's folder
+            if last.exists() and last.stat().st_mtime > started:
                 return True
         time.sleep(0.01)
     return False
 
 
+def last_checkpoint(run_dir: Path) -> dict:
+    """``checkpoints/last.ckpt`` of a run, a file or a sharded folder, read whole."""
+    from src.utils.checkpoint_io import load_checkpoint_file
+
+    return load_checkpoint_file(run_dir / "checkpoints" / "last.ckpt")
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    return last_checkpoint(run_dir)["state_dict"]
 
 
 

@@ -1,0 +1,88 @@
+"""A sharded model's weights and optimizer state, to and from either checkpoint format.
+
+*Sharded* (the default): every rank saves and loads its own shards through ``torch.distributed.checkpoint``
+(:mod:`src.utils.sharded_checkpoint`); the folder reshards on load, so it resumes on any number of ranks.
+*Full*: the weights and optimizer state are gathered to global rank 0 and written as one file, laid out
+as a DDP or single-device checkpoint (optimizer state in torch's format, each group listing its
+``param_names``); every rank reads that file and keeps its own shards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from src.utils.checkpoint_io import load_checkpoint_file
+from src.utils.errors import CheckpointError
+from src.utils.sharded_checkpoint import (
+    from_layout,
+    indexed_optimizer_state,
+    is_sharded_checkpoint,
+    load_sharded,
+    named_optimizer_state,
+    read_meta,
+    to_layout,
+)
+
+GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on global rank 0's host only
+
+
+def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
+    """This rank's shards of the weights, or (``full``) the whole weights on global rank 0 and ``{}`` elsewhere."""
+    return get_model_state_dict(model, options=GATHERED if full else None)
+
+
+def optimizer_state(model: nn.Module, optimizer: Optimizer, full: bool, is_global_zero: bool) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name (shards), or (``full``) whole in torch's format on rank 0."""
+    if not full:
+        return get_optimizer_state_dict(model, optimizer)
+    state = get_optimizer_state_dict(model, optimizer, options=GATHERED)
+    return indexed_optimizer_state(state) if is_global_zero else {}
+
+
+def _names_in_order(model: nn.Module, optimizer: Optimizer) -> list[str]:
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def load_into(model: nn.Module, optimizers: list[Optimizer], path: str | Path, strict: bool) -> dict[str, Any]:
+    """Load a sharded folder or a full file into the sharded ``model`` and ``optimizers`` (every rank calls it).
+
+    Returns the rest of the checkpoint (loops, callbacks, ...), as Lightning's strategies do.
+    """
+    sharded = is_sharded_checkpoint(path)
+    if sharded:
+        live = {"state_dict": get_model_state_dict(model),
+                "optimizer_states": [get_optimizer_state_dict(model, o) for o in optimizers]}
+        targets, _ = to_layout(live)  # this rank's shards, read in place
+        try:
+            load_sharded(targets, path)
+        except CheckpointException as err:
+            detail = str(err).strip().splitlines()[-1][:300]
+            raise CheckpointError(f"{path} does not fit this model and optimizer ({detail}); fix: resume with the "
+                                  "model, optimizer and data config it was trained with") from None
+        checkpoint = from_layout(targets, read_meta(path))
+    else:
+        checkpoint = load_checkpoint_file(path)
+        checkpoint["optimizer_states"] = [named_optimizer_state(s, _names_in_order(model, o))
+                                          for s, o in zip(checkpoint.get("optimizer_states", []), optimizers, strict=False)]
+    options = StateDictOptions(full_state_dict=not sharded, strict=strict)
+    set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)
+    states = checkpoint.pop("optimizer_states", [])
+    if len(states) < len(optimizers):
+        raise CheckpointError(f"{path} holds no optimizer state (a weights-only checkpoint); fix: resume from a "
+                              "last.ckpt or epoch_*.ckpt, or pass it to src/eval.py instead")
+    for optimizer, state in zip(optimizers, states, strict=False):
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=not sharded))
+    return checkpoint

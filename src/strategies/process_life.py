@@ -1,0 +1,103 @@
+"""``ProcessLife``: what every multi-process strategy of the project adds to Lightning's, in one mixin.
+
+Lightning's DDP and its ModelParallel (FSDP2) strategies start and end their process groups in
+different hooks, so the pieces are methods each strategy calls from the hook that fits it:
+
+* :meth:`ProcessLife.join_process_group`, before Lightning starts the group: a torchrun restart joins
+  a store namespace of its own (:mod:`src.runtime.elastic_restart`), a one-node run rendezvous through
+  a file with gloo on loopback (:mod:`src.runtime.local_store`); Lightning keeps a group already up;
+* :meth:`ProcessLife.watch_process_group`, once the group is up: it is destroyed before the interpreter
+  exits (:mod:`src.runtime.exit_cleanup`), and a dead or frozen rank ends every rank (:mod:`src.runtime.watchdog`);
+* ``on_exception``, ``teardown`` and pickling (``ddp_spawn``) come with the mixin.
+
+The SIGTERM agreement (:mod:`src.runtime.sigterm`) is installed by each strategy's ``setup``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import Store
+
+from src.runtime.elastic_restart import init_group_of_this_attempt
+from src.runtime.exit_cleanup import destroy_default_group_at_exit
+from src.runtime.local_store import init_group_with_local_store
+from src.runtime.sigterm import check_interval
+from src.runtime.watchdog import RankWatchdog
+from src.utils.errors import ConfigError, user_error_cause
+from src.utils.pylogger import RankedLogger
+
+log = RankedLogger(__name__)
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # torch's default, 30 min, leaves a hung job idle for half an hour
+
+
+def collective_timeout(timeout: timedelta | float | None) -> timedelta:
+    """How long a collective waits for a busy peer: ``timedelta`` or seconds; ``None``: 10 minutes."""
+    if timeout is None:
+        return COLLECTIVE_TIMEOUT
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+
+
+class ProcessLife:
+    """Strategy mixin (list it before Lightning's strategy class); call :meth:`init_process_life` in ``__init__``."""
+
+    def init_process_life(self, sigterm_check_every_n_batches: int, hang_timeout_s: float | None,
+                          timeout: timedelta, backend: str | None) -> None:
+        """Check and keep the options every multi-process strategy of the project takes."""
+        self.sigterm_check_every_n_batches = check_interval(sigterm_check_every_n_batches)
+        if hang_timeout_s is not None and hang_timeout_s <= 0:
+            raise ConfigError(f"trainer.strategy.hang_timeout_s={hang_timeout_s!r} must be > 0 seconds, or null "
+                              "to turn the watchdog off")
+        self.hang_timeout_s = hang_timeout_s
+        self.collective_timeout = timeout
+        self.requested_backend = backend
+        self.watchdog: RankWatchdog | None = None
+        self.file_store: Store | None = None  # the one-node rendezvous (src/runtime/local_store.py)
+
+    @property
+    def group_backend(self) -> str:
+        """The process-group backend: the one asked for, else nccl on CUDA and gloo elsewhere."""
+        return self.requested_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+
+    def join_process_group(self) -> None:
+        """Before Lightning starts the group: this torchrun attempt's namespace, or a one-node file rendezvous."""
+        self.set_world_ranks()
+        device: torch.device = self.root_device
+        if init_group_of_this_attempt(self.group_backend, self.collective_timeout, device) or self.num_nodes != 1:
+            return
+        store = init_group_with_local_store(self.group_backend, self.collective_timeout, device, self.global_rank,
+                                            self.world_size)
+        if store is not None:  # Lightning's own line, which its skipped initialisation would have printed
+            log.info(f"Initializing distributed: GLOBAL_RANK: {self.global_rank}, MEMBER: {self.global_rank + 1}/"
+                     f"{self.world_size} (one node: file rendezvous, gloo on loopback)", rank=None)
+        self.file_store = store or self.file_store  # kept for later fit/test calls of this process
+
+    def watch_process_group(self) -> None:
+        """Once the group is up: destroy it at exit, and start the dead/frozen-rank watchdog."""
+        destroy_default_group_at_exit()
+        if self.hang_timeout_s and self.world_size > 1 and self.watchdog is None:
+            self.watchdog = RankWatchdog(self.global_rank, self.world_size, timeout_s=self.hang_timeout_s,
+                                         store=self.file_store)
+            self.watchdog.start()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A failed collective because a peer died or froze: name that rank and end this one (watchdog)."""
+        if self.watchdog is not None:
+            if isinstance(exception, SystemExit | KeyboardInterrupt) or user_error_cause(exception) is not None:
+                self.watchdog.finish(reported=True)  # this rank reports its own error: peers stop quietly
+            else:
+                self.watchdog.end_if_a_peer_failed()
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.finish()  # peers no longer count this rank as failed when it exits
+            self.watchdog = None
+        super().teardown()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the strategy: the watchdog thread and the store stay in the process that made them
+        return {**self.__dict__, "watchdog": None, "file_store": None}

@@ -1,0 +1,296 @@
+"""``trainer=fsdp`` proven with real processes over gloo: the weights equal DDP's, each rank holds 1/N of the
+parameters, gradients and optimizer state (measured on the local shards), and a sharded checkpoint written
+by 4 ranks reads back exactly on 2 ranks and in one process. Fast unit tests of the checkpoint format and
+the sharding checks come first."""
+
+from __future__ import annotations
+
+import csv
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from src.strategies.fsdp.wrap import check_shardable, resolve_sharding
+from src.utils.errors import CheckpointError, ConfigError
+from src.utils.sharded_checkpoint import (
+    indexed_optimizer_state,
+    join_tensors,
+    named_optimizer_state,
+    read_sharded,
+    replace,
+    split_tensors,
+)
+from tests.helpers.config import compose_cfg
+from tests.helpers.entry import run_entry
+from tests.helpers.multiprocess import run_workers
+
+
+# -- unit: the checkpoint format ---------------------------------------------------------------------------
+@pytest.mark.fast
+def test_tensors_and_the_rest_split_and_join_back():
+    tree = {"state_dict": {"w": torch.ones(2)}, "optimizer_0": {"state": {"w": {"step": torch.tensor(3.0),
+                                                                                "note": "x"}},
+                                                                "param_groups": [{"lr": 0.1, "params": ["w"]}]},
+            "epoch": 2}
+    tensors, rest = split_tensors(tree)
+    assert tensors == {"state_dict": {"w": tree["state_dict"]["w"]},
+                       "optimizer_0": {"state": {"w": {"step": tree["optimizer_0"]["state"]["w"]["step"]}}}}
+    assert "w" not in rest["state_dict"] and rest["optimizer_0"]["param_groups"][0]["lr"] == 0.1
+    assert join_tensors(tensors, rest) == tree
+
+
+@pytest.mark.fast
+def test_optimizer_state_by_name_and_by_index_round_trip():
+    named = {"state": {"b": {"exp_avg": torch.ones(1)}, "a": {"exp_avg": torch.zeros(1)}},
+             "param_groups": [{"lr": 0.1, "params": ["a"]}, {"lr": 0.2, "params": ["b"]}]}
+    indexed = indexed_optimizer_state(named)
+    assert indexed["param_groups"][1]["params"] == [1] and indexed["param_groups"][1]["param_names"] == ["b"]
+    assert indexed["state"][1] is named["state"]["b"]
+    assert named_optimizer_state(indexed, []) == named
+    unnamed = {"state": {0: {"exp_avg": 1}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}  # DDP's file
+    assert named_optimizer_state(unnamed, ["x", "y"])["state"] == {"x": {"exp_avg": 1}}
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        named_optimizer_state(unnamed, ["x"])
+
+
+def _sharded_folder(path: Path, tree: dict) -> None:
+    """A one-process DCP folder plus meta.pt, as the strategy writes them."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tree, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    torch.save({"epoch": 0}, path / "meta.pt")
+
+
+@pytest.mark.fast
+def test_a_sharded_folder_reads_in_one_process(tmp_path):
+    _sharded_folder(tmp_path / "c.ckpt", {"state_dict": {"net.w": torch.arange(6.0).view(2, 3)}})
+    checkpoint = read_sharded(tmp_path / "c.ckpt")
+    assert torch.equal(checkpoint["state_dict"]["net.w"], torch.arange(6.0).view(2, 3)) and checkpoint["epoch"] == 0
+
+
+class _WritesMarker:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.fast
+def test_a_crafted_index_or_a_non_tensor_entry_runs_no_code(tmp_path):
+    folder = tmp_path / "evil.ckpt"
+    _sharded_folder(folder, {"state_dict": {"w": torch.ones(2)}})
+    marker = tmp_path / "marker"
+    (folder / ".metadata").write_bytes(pickle.dumps(_WritesMarker(marker)))
+    with pytest.raises(CheckpointError, match=r"names posix\.system, which a checkpoint index never holds"):
+        read_sharded(folder)
+    assert not marker.exists()
+
+    bytes_entry = tmp_path / "bytes.ckpt"  # torch reads these with weights_only=False: refused before any read
+    _sharded_folder(bytes_entry, {"state_dict": {"w": torch.ones(2)}, "extra": {"any": "object"}})
+    with pytest.raises(CheckpointError, match="non-tensor entries"):
+        read_sharded(bytes_entry)
+
+
+@pytest.mark.fast
+def test_replace_swaps_a_folder_in_whole_and_drops_the_old(tmp_path):
+    dest, new = tmp_path / "last.ckpt", tmp_path / "new"
+    dest.mkdir()
+    (dest / "old").write_text("old")
+    new.mkdir()
+    (new / "shard").write_text("new")
+    replace(new, dest)
+    assert [p.name for p in dest.iterdir()] == ["shard"] and not new.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    file = tmp_path / "full"
+    file.write_text("one file")
+    replace(file, dest)  # a full checkpoint where a sharded folder was
+    assert dest.read_text() == "one file"
+
+
+# -- unit: what can be sharded -----------------------------------------------------------------------------
+class _Module(nn.Module):
+    def __init__(self, net: nn.Module | None, extra: bool = False) -> None:
+        super().__init__()
+        self.net = net
+        if extra:
+            self.scale = nn.Parameter(torch.ones(1))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("module", "message"), [
+    (_Module(nn.Linear(2, 2)), "must be an nn.Sequential; _Module.net is Linear"),
+    (_Module(None), "_Module.net is none"),
+    (_Module(nn.Sequential(nn.ReLU(), nn.Flatten())), "no block with parameters"),
+    (_Module(nn.Sequential(nn.Linear(2, 2)), extra=True), r"outside it \(\['scale'\]\)"),
+], ids=["not-sequential", "no-net", "no-parameters", "parameters-outside-net"])
+def test_a_model_without_blocks_to_shard_is_refused(module, message):
+    with pytest.raises(ConfigError, match=message):
+        check_shardable(module)
+
+
+@pytest.mark.fast
+def test_sharding_strategy_names():
+    assert [resolve_sharding(n) for n in ("full", "GRAD_OP", "hybrid_shard", "FULL_SHARD")] == \
+        ["full", "grad_op", "hybrid", "full"]
+    with pytest.raises(ConfigError, match="zero3.*is not a sharding strategy; fix: use full"):
+        resolve_sharding("zero3")
+
+
+# -- real processes: weights and memory against DDP ------------------------------------------------------
+# 8 steps of the Fashion-MNIST MLP (dropout on: each rank draws its masks from its own stream, alike in
+# both strategies), global batch 64, the same seed; `last.ckpt` holds the final weights.
+STEPS = ["data.batch_size=64", "++trainer.limit_train_batches=8", "++trainer.limit_val_batches=2",
+         "++trainer.limit_test_batches=1.0",
+         "++trainer.num_sanity_val_steps=0", "callbacks.metric_plot=null", "callbacks.rich_progress_bar=null",
+         "extras.print_config=false", "logger=csv"]
+
+
+def fit(rank: int, world_size: int, out_dir: str, overrides: list[str]) -> dict:
+    """One rank of ``train(cfg)``; returns this rank's measured bytes and the run's last.ckpt."""
+    from src.train import train
+
+    cfg = compose_cfg("train", ["trainer.accelerator=cpu", f"trainer.devices={world_size}", *STEPS, *overrides,
+                                "+callbacks.shard_bytes._target_=tests.helpers.shard_bytes.ShardBytes"], Path(out_dir))
+    metrics, objects = train(cfg)
+    (probe,) = [c for c in objects["callbacks"] if type(c).__name__ == "ShardBytes"]
+    checkpoints = Path(out_dir) / "checkpoints"
+    return {"bytes": probe.measured, "last": str(checkpoints / "last.ckpt"), "run_dir": out_dir,
+            "best": objects["trainer"].checkpoint_callback.best_model_path,
+            "test": {k: float(v) for k, v in metrics.items() if k.startswith("test/")}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(n, *overrides)``: the per-rank results of one run, run once per module."""
+    done: dict[tuple, list[dict]] = {}
+
+    def get(n: int, *overrides: str) -> list[dict]:
+        if (n, overrides) not in done:
+            done[(n, overrides)] = run_workers(fit, n, str(tmp_path_factory.mktemp("run")), list(overrides),
+                                               timeout=300)
+        return done[(n, overrides)]
+
+    return get
+
+
+def _weights(result: list[dict]) -> dict[str, torch.Tensor]:
+    from src.utils.checkpoint_io import load_checkpoint_file
+
+    return load_checkpoint_file(result[0]["last"])["state_dict"]
+
+
+FSDP = ("trainer=fsdp",)
+DDP = ("trainer=ddp",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "variant"), [(2, ()), (4, ()), (2, ("trainer.strategy.sharding_strategy=grad_op",)),
+                                            (4, ("trainer.strategy.sharding_strategy=hybrid",
+                                                 "trainer.strategy.hybrid_shard_size=2"))],
+                         ids=["full-2", "full-4", "grad_op-2", "hybrid-2x2"])
+def test_weights_equal_ddp(runs, n, variant):
+    """Proof 1: after the same steps, same global batch and seed, every weight equals DDP's within 1e-5."""
+    fsdp, ddp = _weights(runs(n, *FSDP, *variant)), _weights(runs(n, *DDP))
+    assert fsdp.keys() == ddp.keys()
+    for name in ddp:
+        torch.testing.assert_close(fsdp[name], ddp[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "variant", "shard"), [(2, (), 2), (4, (), 4),
+                                                     (4, ("trainer.strategy.sharding_strategy=hybrid",
+                                                          "trainer.strategy.hybrid_shard_size=2"), 2)],
+                         ids=["full-2", "full-4", "hybrid-2x2"])
+def test_each_rank_holds_a_shard_of_ddp_bytes(runs, n, variant, shard):
+    """Proof 2: per rank, parameters, gradients and optimizer state take at most 1/shard of DDP's bytes plus the
+    unsharded remainder; the shards of one copy add up to DDP's bytes exactly (measured, not computed)."""
+    fsdp, ddp = runs(n, *FSDP, *variant), runs(n, *DDP)
+    for kind in ("params", "grads", "optimizer"):
+        whole = ddp[0]["bytes"][kind][0]
+        assert all(r["bytes"][kind] == ddp[0]["bytes"][kind] for r in ddp)  # DDP: every rank holds it all
+        for r in fsdp:
+            held, _, remainder = r["bytes"][kind]
+            assert held <= whole / shard + remainder, (kind, held, whole, remainder)
+        copies = n // shard
+        sharded = sum(r["bytes"][kind][1] for r in fsdp) // copies
+        plain = sum(r["bytes"][kind][0] - r["bytes"][kind][1] for r in fsdp[:1])
+        assert sharded + plain == whole, (kind, sharded, plain, whole)
+
+
+# -- real processes: a checkpoint of 4 ranks, read by 2 and by 1 -------------------------------------------
+def load_on_ranks(rank: int, world_size: int, path: str) -> dict | None:
+    """Shard a fresh MLP and Adam over ``world_size`` ranks, load ``path`` into them, gather them whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from src.models.components.mlp import MLP
+    from src.strategies.fsdp import checkpoint as ckpt
+    from src.strategies.fsdp.wrap import mixed_precision, shard_by_blocks
+
+    module = _Module(MLP())
+    shard_by_blocks(module, init_device_mesh("cpu", (world_size,)), True, mixed_precision("32-true"), False)
+    optimizer = torch.optim.Adam(module.parameters())
+    ckpt.load_into(module, [optimizer], path, strict=True)
+    weights = ckpt.model_state(module, full=True)
+    state = ckpt.optimizer_state(module, optimizer, full=True, is_global_zero=rank == 0)
+    return {"weights": weights, "optimizer": state} if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_4_ranks_reads_exactly_on_2_and_on_1(runs):
+    """Proof 4a: weights and Adam state saved as 4 ranks' shards equal, bit for bit, what 2 ranks load (their
+    shards gathered back) and what one process reads with no process group."""
+    path = runs(4, *FSDP)[0]["last"]
+    assert sorted(p.name for p in Path(path).iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(4)),
+                                                            "meta.pt"]
+    whole = read_sharded(path)
+    loaded = run_workers(load_on_ranks, 2, path, timeout=120)[0]
+    assert whole["state_dict"].keys() == loaded["weights"].keys()
+    for name, value in whole["state_dict"].items():
+        assert torch.equal(loaded["weights"][name], value), name
+    saved, got = whole["optimizer_states"][0], loaded["optimizer"]
+    assert saved["param_groups"] == got["param_groups"]
+    for index, state in saved["state"].items():
+        assert state.keys() == got["state"][index].keys()
+        assert all(torch.equal(state[k], got["state"][index][k]) for k in state), index
+
+
+@pytest.mark.slow
+def test_eval_in_one_process_gives_the_test_metrics_of_4_ranks(runs, tmp_path):
+    """Proof 4b: ``src/eval.py`` on one process, no process group, reads the 4 ranks' sharded checkpoint and gives
+    the test metrics the 4-rank run gave (every test sample, split over 4 ranks there)."""
+    run = runs(4, *FSDP)[0]
+    assert Path(run["best"]).is_dir()
+    proc = run_entry("eval", f"ckpt_path={run['best']}", "trainer=cpu", "data.batch_size=64",
+                     "extras.print_config=false", "logger=csv", f"hydra.run.dir={tmp_path}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = csv_metrics(tmp_path)
+    for key in ("test/acc", "test/loss"):
+        assert got[key] == pytest.approx(run["test"][key], abs=1e-6), (key, got, run["test"])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_4_ranks_resumes_on_2(runs, tmp_path):
+    """Proof 4c: ``ckpt_path=<4 ranks' last.ckpt>`` with ``trainer.devices=2`` restores weights, optimizer and loops
+    and trains on from the saved step."""
+    run = runs(4, *FSDP)[0]
+    proc = run_entry("train", "trainer=fsdp", "trainer.devices=2", "trainer.accelerator=cpu", *STEPS,
+                     "trainer.max_epochs=2", "test=false", f"ckpt_path={run['last']}", f"hydra.run.dir={tmp_path}",
+                     timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"Restored all states from the checkpoint at {run['last']}" in proc.stdout + proc.stderr
+    from src.utils.checkpoint_io import load_checkpoint_file
+
+    resumed = load_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt")
+    assert resumed["global_step"] == 16  # 8 steps of the 4-rank run, then 8 more on 2 ranks
+    assert len(list((tmp_path / "checkpoints" / "last.ckpt").glob("*.distcp"))) == 2  # written by 2 ranks now
+
+
+def csv_metrics(run_dir: Path) -> dict[str, float]:
+    with open(run_dir / "csv" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    return {k: float(v) for row in rows for k, v in row.items() if v and k.startswith("test/")}

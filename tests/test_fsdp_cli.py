@@ -1,0 +1,87 @@
+"""``trainer=fsdp`` from the command line, in every launch form of ``trainer=ddp``: ``python``, ``torchrun``,
+``srun`` (simulated: the variables it sets) and a ``-m`` sweep; and bad input refused in one line before any
+rank starts. Real processes, 2 CPU ranks over gloo on loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+from tests.helpers.config import ROOT
+from tests.helpers.entry import run_entry
+from tests.test_bad_input import error_line
+from tests.test_ddp import TINY_RUN
+
+FSDP = ["trainer=fsdp", "trainer.devices=2"]
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["model.net._target_=torch.nn.Identity"], "must be an nn.Sequential; ClassificationModule.net is Identity"),
+    (["trainer.strategy.sharding_strategy=hybrid", "trainer.strategy.hybrid_shard_size=3"],
+     "cannot split 2 processes into hybrid shard groups of 3"),
+    (["trainer.precision=16-mixed"], "trainer.precision=16-mixed is not supported by trainer=fsdp"),
+    (["trainer.strategy.cpu_offload=true"], "this run is on the CPU already"),
+    (["data.batch_size=127"], "data.batch_size=127 is the global batch and must divide evenly across 2"),
+], ids=["no-blocks", "mesh-does-not-divide", "fp16", "offload-on-cpu", "global-batch"])
+def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, overrides, says):
+    proc = run_entry("train", *FSDP, *TINY_RUN, *overrides, f"hydra.run.dir={tmp_path}/run", timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = error_line(proc)
+    assert says in line and ("; fix: " in line or "batch_size" in line), line  # the batch rule's line is older
+    assert "Initializing distributed" not in proc.stdout + proc.stderr  # no rank was started
+
+
+@pytest.mark.slow
+def test_torchrun_one_node(tmp_path):
+    """`torchrun --standalone --nproc_per_node=2 src/train.py trainer=fsdp`: Lightning joins torchrun's ranks."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "src/train.py"),
+         *FSDP, *TINY_RUN, f"paths.log_dir={tmp_path}/logs"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = (tmp_path / "logs" / "train" / "runs").iterdir()
+    assert "torchrun" in run.name  # both ranks chose the same directory
+    assert sorted(p.name for p in (run / "checkpoints" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                             "__1_0.distcp"]
+
+
+@pytest.mark.slow
+def test_slurm_environment_detected(tmp_path):
+    """Two tasks with the variables `srun` sets: Lightning's SLURMEnvironment joins them; one shared run dir."""
+    job_id = str(910000 + os.getpid() % 1000)
+    common = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": job_id,
+              "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
+    envs = [{**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "src/train.py"), *FSDP, *TINY_RUN,
+                               f"paths.log_dir={tmp_path}/logs"], cwd=ROOT, env={**os.environ, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for env in envs]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    (run,) = (tmp_path / "logs" / "train" / "runs").iterdir()
+    assert f"slurm_{job_id}" in run.name  # both tasks agreed on one directory
+    assert len(list((run / "checkpoints" / "last.ckpt").glob("*.distcp"))) == 2  # a shard from each task
+
+
+@pytest.mark.slow
+def test_multirun_sweep(tmp_path):
+    """`-m trainer=fsdp trainer.devices=2 lr=a,b`: both jobs run, each job's ranks stay in its own dir."""
+    proc = run_entry(
+        "train", "-m", *FSDP, "trainer.accelerator=cpu", "model.optimizer.lr=0.01,0.1", "trainer.max_epochs=1",
+        "++trainer.limit_train_batches=4", "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2",
+        "extras.print_config=false", f"hydra.sweep.dir={tmp_path}/sweep", f"paths.log_dir={tmp_path}/logs",
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    for job in jobs:
+        assert (tmp_path / "sweep" / job / "checkpoints" / "last.ckpt" / "meta.pt").is_file()
+        overrides = (tmp_path / "sweep" / job / ".hydra" / "overrides.yaml").read_text()
+        assert f"model.optimizer.lr={['0.01', '0.1'][int(job)]}" in overrides
+    assert not (tmp_path / "logs").exists() or {p.name for p in (tmp_path / "logs").iterdir()} <= {".pids"}
+    assert (proc.stdout + proc.stderr).count("Initializing distributed: GLOBAL_RANK: 1") == 2  # one child per job
