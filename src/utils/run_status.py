@@ -58,7 +58,8 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike) -> Iterator[None]
             preempted = isinstance(err, SIGTERMException) or getattr(err, "preempted", False)
             where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
             detail = f"{err} at {where}" if preempted else f"{type(err).__name__} at {where}: {err}"
-            write_status(run_dir, PREEMPTED if preempted else FAILED, detail)
+            with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
+                write_status(run_dir, PREEMPTED if preempted else FAILED, detail)
         raise
     if trainer.is_global_zero:
         write_status(run_dir, FINISHED, f"epoch {trainer.current_epoch}, global step {trainer.global_step}")
