@@ -19,6 +19,9 @@
    exclusively (``_2``, ``_3`` ... for runs started in the same second). A run in this root whose
    status says ``running`` while its process is gone from this host is marked ``died`` on the way.
 
+Each run dir also gets a random id, made once and kept in it (:func:`run_uid`): W&B and MLflow continue one
+run by it across resumes.
+
 A directory taken over or created locally stays locked (``flock`` on ``.lock``) while this process
 lives, so two identical commands never share one; the kernel drops the lock when the process dies,
 even by SIGKILL.
@@ -30,6 +33,7 @@ import datetime as dt
 import fcntl
 import hashlib
 import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +41,7 @@ from src.runtime.launch_context import launch_context
 from src.utils.run_status import FINISHED, RUNNING, STATUS_FILE, mark_if_died, read_status
 
 LOCK_FILE = ".lock"
+RUN_ID_FILE = ".run_id"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 _chosen: dict[tuple, str] = {}  # hydra.run.dir is resolved several times per run: answer alike each time
 _locks: dict[str, int] = {}  # run dir -> open fd holding its flock
@@ -151,3 +156,23 @@ def _lock(run: Path) -> bool:
         return False
     _locks[str(run)] = fd
     return True
+
+
+def run_uid(run_dir: str) -> str:
+    """The id of the run in ``run_dir``: random (16 hex digits), made by the first process to ask, kept in the dir.
+
+    Every rank, and every later attempt of the run, reads the same one. The file appears whole or not at
+    all (hard-linked from a temp file), so a rank never reads half an id.
+    """
+    path = Path(run_dir) / RUN_ID_FILE
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{RUN_ID_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(secrets.token_hex(8))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another rank made it first: read theirs
+            pass
+        finally:
+            tmp.unlink()
+    return path.read_text().strip()
