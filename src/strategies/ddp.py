@@ -10,7 +10,9 @@ behaves exactly like ``trainer=ddp``:
 * checkpoints are written atomically and loaded with ``weights_only=True``
   (:mod:`src.utils.checkpoint_io`), unless another CheckpointIO is given;
 * a collective waits at most ``timeout`` (10 minutes) for a busy peer;
-* a rank that dies or freezes ends every rank soon, with one line naming it (:mod:`src.runtime.watchdog`);
+* a rank that dies, freezes or gets stuck (in a collective its peers never join, or a blocking call) ends
+  every rank soon, with one line naming it; a stuck rank's collectives are written by torch's flight
+  recorder to ``<run dir>/flight_recorder/rank_<N>`` (:mod:`src.runtime.watchdog`);
 * a one-node run rendezvous through a file and gloo binds to loopback (:mod:`src.runtime.local_store`);
 * a torchrun restart does not read the keys of the attempt before it (:mod:`src.runtime.elastic_restart`);
 * the process group is destroyed before the interpreter exits (:mod:`src.runtime.exit_cleanup`).
@@ -21,6 +23,7 @@ Everything else (cluster environments, gradient sync, torchrun/SLURM detection) 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,7 +34,7 @@ from src.runtime.elastic_restart import init_group_of_this_attempt
 from src.runtime.exit_cleanup import destroy_default_group_at_exit
 from src.runtime.local_store import init_group_with_local_store
 from src.runtime.sigterm import check_interval, install_sigterm_agreement
-from src.runtime.watchdog import RankWatchdog
+from src.runtime.watchdog import RankWatchdog, record_collectives
 from src.strategies.launchers import PreflightMultiprocessingLauncher, PreflightSubprocessLauncher
 from src.utils import lightning_compat as compat
 from src.utils.checkpoint_io import AtomicCheckpointIODefault
@@ -49,9 +52,10 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, LightningDDP
 
     Args:
         sigterm_check_every_n_batches: how often the ranks agree on a SIGTERM (1 = every batch).
-        hang_timeout_s: a rank whose heartbeat stops this long (frozen, or gone from another host) ends
-            the job (:mod:`src.runtime.watchdog`); a dead rank on the same host is seen within a second.
-            ``None`` turns the watchdog off.
+        hang_timeout_s: a rank whose heartbeat stops this long (frozen, or gone from another host), or that
+            the others have waited for this long while no rank made progress (stuck), ends the job
+            (:mod:`src.runtime.watchdog`); a dead rank is seen within a second on its host. It must exceed
+            the longest pause between batches (e.g. writing a checkpoint). ``None`` turns the watchdog off.
         timeout: how long a collective waits for a busy peer (``timedelta`` or seconds; ``None``: 10 min).
         **kwargs: Lightning's DDPStrategy arguments.
     """
@@ -89,6 +93,8 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, LightningDDP
 
     def setup_distributed(self) -> None:
         backend = self.requested_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        if self.hang_timeout_s:  # before the group exists: torch reads these when it makes the group
+            record_collectives(backend, self.flight_recorder_dir)
         self.set_world_ranks()
         if not init_group_of_this_attempt(backend, self.collective_timeout, self.root_device) and self.num_nodes == 1:
             store = init_group_with_local_store(backend, self.collective_timeout, self.root_device,
@@ -101,8 +107,32 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, LightningDDP
         destroy_default_group_at_exit()
         if self.hang_timeout_s and self.world_size > 1 and self.watchdog is None:
             self.watchdog = RankWatchdog(self.global_rank, self.world_size, timeout_s=self.hang_timeout_s,
-                                         store=self.file_store)
+                                         store=self.file_store, progress=self.progress,
+                                         flight_recorder_dir=self.flight_recorder_dir)
             self.watchdog.start()
+
+    @property
+    def flight_recorder_dir(self) -> Path:
+        """Where each rank's record of its collectives goes when a rank is stuck: ``<run dir>/flight_recorder``."""
+        try:
+            root = self.lightning_module.trainer.default_root_dir
+        except (AttributeError, RuntimeError):  # no module or trainer attached
+            root = "."
+        return Path(root) / "flight_recorder"
+
+    def progress(self) -> tuple[int, int, int]:
+        """What the watchdog publishes: batches this rank finished (every loop), collectives it entered, global step.
+
+        Read from the watchdog's thread while the main thread may be stuck: plain counters only.
+        """
+        try:
+            trainer = self.lightning_module.trainer
+            loops = (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop,
+                     trainer.test_loop, trainer.predict_loop)
+            batches = sum(loop.batch_progress.total.processed for loop in loops)
+            return batches, compat.collectives_entered(), trainer.global_step
+        except (AttributeError, RuntimeError):  # no trainer attached yet
+            return 0, 0, 0
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
