@@ -198,10 +198,12 @@ class RankWatchdog:
         if idle <= stale_after_s or behind == max(live.values()):
             return None
         rank = min(r for r, p in live.items() if p == behind)
-        waiting = ", ".join(str(r) for r, p in live.items() if p != behind)
-        return (rank, f"is stuck: no rank has made progress for {idle:.0f} s and ranks {waiting} wait for it in a "
-                      f"collective (it is at global step {self._steps[rank]}: in a collective the others never "
-                      "joined, or in a blocking call)")
+        ahead = sorted(r for r, p in live.items() if p != behind)
+        waiting = (f"rank {ahead[0]} waits" if len(ahead) == 1 else f"ranks {', '.join(map(str, ahead))} wait"
+                   if len(ahead) <= 4 else f"{len(ahead)} ranks wait")
+        return (rank, f"is stuck: no rank has made progress for {idle:.0f} s and {waiting} for it in a collective "
+                      f"(it is at global step {self._steps[rank]}: in a collective the others never joined, or in "
+                      "a blocking call)")
 
     def _store_gone(self, now: float) -> tuple[int, str] | None:
         dead = [r for r in self.local if self._finished.get(r) != DONE and not self._alive_here(r)]
