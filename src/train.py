@@ -41,7 +41,7 @@ from src.utils.instantiators import (  # noqa: E402
 from src.utils.logging_utils import log_hyperparameters  # noqa: E402
 from src.utils.pylogger import RankedLogger  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
-from src.utils.run_status import run_status  # noqa: E402
+from src.utils.run_status import completed_task, run_status, task_overrides  # noqa: E402
 from src.utils.task import extras, get_metric_value, task_wrapper  # noqa: E402
 
 log = RankedLogger(__name__)
@@ -55,6 +55,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     Returns ``(metric_dict, object_dict)`` so tests and sweeps can look inside.
     """
     check_config(cfg)  # before anything is built
+    done = completed_task(cfg)
+    if done is not None:  # a requeue or relaunch of a run that finished: nothing is trained again
+        log.info(f"This run already finished (status.yaml in {cfg.paths.output_dir}): nothing left to do")
+        return done, {"cfg": cfg}
     ckpt_path = resume_checkpoint(cfg, cfg.paths.output_dir)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)  # same seed on every rank: replicas start identical
@@ -74,29 +78,34 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
                "logger": loggers, "trainer": trainer}
     log_hyperparameters(objects)  # rank 0, once: config and parameter counts to every logger
 
-    if cfg.get("train"):
-        if ckpt_path and not cfg.get("ckpt_path"):
-            log.info(f"Resuming this run from {ckpt_path} (auto_resume=true)")
-        with run_status(trainer, cfg.paths.output_dir):
-            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
-    train_metrics = dict(trainer.callback_metrics)
+    with run_status(trainer, cfg.paths.output_dir, task_overrides()) as status:
+        if cfg.get("train"):
+            if ckpt_path and not cfg.get("ckpt_path"):
+                log.info(f"Resuming this run from {ckpt_path} (auto_resume=true)")
+            fit(cfg, trainer, model, datamodule, ckpt_path)
+        status.metrics = dict(trainer.callback_metrics)
+        if cfg.get("test"):
+            status.note(f"training finished at epoch {trainer.current_epoch}, global step {trainer.global_step}; "
+                        "testing")
+            ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+            if not ckpt:
+                log.warning("No best checkpoint found: testing the weights at the end of training")
+            trainer.test(model=model, datamodule=datamodule, ckpt_path=ckpt or None)
+            status.metrics.update(trainer.callback_metrics)
+            log.info(f"Best checkpoint: {ckpt or '-'}")
+    return status.metrics, objects
+
+
+def fit(cfg: DictConfig, trainer: L.Trainer, model: L.LightningModule, datamodule: L.LightningDataModule,
+        ckpt_path: str | None) -> None:
+    """``trainer.fit``; after a resume from the final checkpoint (nothing left to train), validate instead."""
+    trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
     metric = cfg.get("optimized_metric")
-    if cfg.get("train") and metric and metric not in train_metrics and trainer.state.finished:
+    if metric and metric not in trainer.callback_metrics and trainer.state.finished:
         # resumed from the final checkpoint of a run that had finished training: fit logged nothing, so
         # validate the final weights, which gives what the uninterrupted run's last validation gave
         log.info(f"Training had already finished at step {trainer.global_step}: validating the final weights")
         trainer.validate(model=model, datamodule=datamodule, verbose=False)
-        train_metrics = dict(trainer.callback_metrics)
-
-    test_metrics: dict[str, Any] = {}
-    if cfg.get("test"):
-        ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-        if not ckpt:
-            log.warning("No best checkpoint found: testing the weights at the end of training")
-        trainer.test(model=model, datamodule=datamodule, ckpt_path=ckpt or None)
-        test_metrics = dict(trainer.callback_metrics)
-        log.info(f"Best checkpoint: {ckpt or '-'}")
-    return {**train_metrics, **test_metrics}, objects
 
 
 from src.utils.hydra_errors import hydra_main  # noqa: E402

@@ -95,7 +95,7 @@ def _captured_commands(monkeypatch, tmp_path, argv: list[str]) -> dict[str, list
     commands: dict[str, list[str]] = {}
 
     class CapturingBench(Bench):
-        def run(self, name, make_cmd, world_size=1, threads=None):
+        def run(self, name, make_cmd, world_size=1, threads=None, extra_env=None):
             commands[name] = [str(c) for c in make_cmd(self.out / "timelines" / name, self.out / "runs" / name)]
             return measure.Run(name, commands[name], 0.0, 1.0, 1, self.out / "logs" / f"{name}.log")
 
@@ -125,9 +125,11 @@ def test_accelerator_and_precision_reach_every_contender(monkeypatch, tmp_path, 
                 "throughput-per-sample-0-workers-r0", "throughput-per-sample-2-workers-r0", "paired-bare-r0",
                 "paired-project-r0", "startup-project-r0", "startup-plain-loop-r0", "accuracy-project-0",
                 "accuracy-project-1", "accuracy-plain-2"}
+    if accelerator == "gpu":  # an untimed step profile of each contender
+        expected |= {"profile-project", "profile-bare-Lightning", "profile-plain-loop"}
     assert set(commands) == expected
     assert set(_captured_commands(monkeypatch, tmp_path / "unpaired", [*argv, "--no-paired", "--suite", "throughput"])
-               ) == {name for name in expected if name.startswith("throughput")}
+               ) == {name for name in expected if name.startswith(("throughput", "profile"))}
     for name, cmd in commands.items():
         if "src/train.py" in cmd:  # the project: explicit Hydra overrides (not the config's `auto`)
             assert f"trainer.accelerator={accelerator}" in cmd and f"trainer.precision={precision}" in cmd, name
@@ -149,8 +151,8 @@ def test_cpu_and_32_true_are_the_defaults_and_given_explicitly(monkeypatch, tmp_
     assert (settings.accelerator, settings.precision) == ("cpu", "32-true")
     cmd = contenders.project(contenders.Work(epochs=2), tmp_path / "t", tmp_path / "r")
     assert "trainer.accelerator=cpu" in cmd and "trainer.precision=32-true" in cmd  # not the config's `auto`
-    assert contenders.plain(contenders.Work(epochs=2), tmp_path / "t")[-4:] == [
-        "--accelerator", "cpu", "--precision", "32-true"]
+    plain = contenders.plain(contenders.Work(epochs=2), tmp_path / "t")
+    assert (_option(plain, "--accelerator"), _option(plain, "--precision")) == ("cpu", "32-true")
     with pytest.raises(ValueError, match="CPU in 32-true only"):  # plain DDP is gloo, CPU only
         contenders.plain_ddp(contenders.Work(epochs=2, accelerator="gpu"), tmp_path / "t", 2)
     for bad in (["--accelerator", "tpu"], ["--precision", "16-mixed"]):

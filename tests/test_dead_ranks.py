@@ -1,12 +1,16 @@
-"""A rank that dies or freezes ends every rank soon, with one line naming it, and leaves no process behind.
+"""A rank that dies, freezes or gets stuck ends every rank soon, with one line naming it, and leaves no process
+behind.
 
 Two DDP (or FSDP) ranks over gloo, started as a user would; the fault is a real signal to one rank: SIGKILL (dead)
-or SIGSTOP (frozen: no heartbeat, no progress, no exit). The run stays resumable (last.ckpt).
+or SIGSTOP (frozen: no heartbeat, no progress, no exit), or a rank whose main thread gets stuck in an
+all-reduce its peer never joins, or in a blocking call, while its other threads live. The run stays
+resumable (last.ckpt).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
 import time
@@ -56,3 +60,37 @@ def test_a_failed_rank_ends_the_job_and_is_named(tmp_path, victim, fault, strate
         assert "Traceback" not in proc.stderr_text
     (run_dir,) = run_dirs(tmp_path)
     assert (run_dir / "checkpoints" / "last.ckpt").exists()  # resumable: re-running the command continues
+
+
+@pytest.mark.parametrize("how", ["collective", "call"])
+def test_a_rank_stuck_while_its_threads_live_is_named_within_hang_timeout(tmp_path, how):
+    """Its heartbeat thread beats on; it is named because the others wait for it and nobody makes progress."""
+    proc = start(tmp_path, *LONG, "+callbacks.stuck._target_=tests.helpers.stuck_rank.StuckRank",
+                 f"+callbacks.stuck.how={how}")
+    try:
+        deadline = time.monotonic() + 120
+        while not (marker := next((d / "stuck" for d in run_dirs(tmp_path) if (d / "stuck").is_file()), None)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no rank got stuck"
+            time.sleep(0.05)
+        began = time.monotonic()
+        procs = ranks(proc)
+        code = finish(proc, timeout=60)
+        took = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert took < 5 + 15, f"the job took {took:.1f} s to end"  # hang_timeout_s + slack on a loaded machine
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs.values()), "a rank outlived the job"
+    assert code != 0
+    lines = [line for line in proc.stderr_text.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr_text[-3000:]
+    stuck_pid = int(marker.read_text())
+    assert re.match(rf"error: rank 1 \(host \S+, pid {stuck_pid}\) is stuck: no rank has made progress", lines[0])
+    assert "Traceback" not in proc.stderr_text
+
+    records = {p.name: pickle.loads(p.read_bytes()) for p in (marker.parent / "flight_recorder").iterdir()}
+    assert sorted(records) == ["rank_0", "rank_1"]  # each rank's collectives, as torch's flight recorder keeps them
+    if how == "collective":  # rank 1's last collective is on the group rank 0 never used; rank 0's, on the default one
+        ours, theirs = records["rank_1"]["entries"][-1], records["rank_0"]["entries"][-1]
+        assert ours["profiling_name"].endswith("all_reduce") and theirs["process_group"][1] == "default_pg"
+        assert ours["process_group"] != theirs["process_group"]

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import stat
+import sys
 import time
 from pathlib import Path
 
@@ -15,9 +16,12 @@ import psutil
 import pytest
 import torch
 
+from tests.helpers.config import ROOT
 from tests.helpers.training_runs import (
+    TRAIN,
     differing_weights,
     finish,
+    launch,
     run_dirs,
     start,
     wait_for_checkpoint,
@@ -101,3 +105,76 @@ def test_sigusr1_on_slurm_saves_requeues_and_the_requeued_job_resumes_in_its_own
     assert finish(requeued) == 0, requeued.stderr_text[-3000:]
     assert run_dirs(log_dir) == [run_dir]
     assert not differing_weights(one_process_reference, run_dir)
+
+
+def test_sigusr1_without_scontrol_saves_and_says_so_in_one_line(tmp_path):
+    """A container without SLURM's tools (pyxis/enroot): the requeue cannot happen, the checkpoint is saved."""
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "scontrol").exists())
+    env = {**os.environ, "SLURM_JOB_ID": "4343", "PATH": path}
+    proc = start(tmp_path, env=env)
+    signal_once_training(proc, tmp_path, signal.SIGUSR1)
+    assert finish(proc) == 128 + signal.SIGUSR1, proc.stderr_text[-3000:]
+    assert "Traceback" not in proc.stderr_text
+    (run_dir,) = run_dirs(tmp_path)
+    log = (run_dir / "train.log").read_text()
+    lines = [line for line in log.splitlines() if "not requeued" in line]
+    assert len(lines) == 1 and "there is no scontrol here" in lines[0] and "last.ckpt is saved" in lines[0], lines
+    stopped = re.search(r"SIGUSR1: every rank stopped at epoch \d+, global step (\d+)", log)
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert stopped and int(stopped[1]) == saved > 0
+
+
+# -- submitit (hydra/launcher=slurm): a stand-in SLURM that runs the jobs it is given on this machine -----------
+STAND_INS = {
+    # run the batch script in the background as a new job; print what sbatch prints (submitit parses it)
+    "sbatch": 'for a; do script=$a; done\nid=$(( $(cat "$SLURM_STATE/last_id" 2>/dev/null || echo 4300) + 1 ))\n'
+              'echo $id > "$SLURM_STATE/last_id"\ncp "$script" "$SLURM_STATE/$id.sbatch"\n'
+              'run_job $id >> "$SLURM_STATE/$id.out" 2>&1 &\necho "Submitted batch job $id"\n',
+    # one start of job $1 on "a node", as SLURM starts it (again after a requeue)
+    "run_job": 'export SLURM_JOB_ID=$1 SLURM_JOB_NODELIST=localhost SLURM_NNODES=1 SLURM_JOB_NUM_NODES=1\n'
+               'exec bash "$SLURM_STATE/$1.sbatch"\n',
+    # one task: srun's options dropped, the command run as task 0 (its pid kept for the test's signal)
+    "srun": 'while [ $# -gt 0 ]; do case $1 in --output|--error) shift 2;; --*) shift;; *) break;; esac; done\n'
+            'export SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=1 SLURM_STEP_ID=0\n'
+            'echo $$ > "$SLURM_STATE/task.pid"\nexec "$@"\n',
+    # requeue: recorded; the job starts again once the process that asked has exited
+    "scontrol": 'echo "$@" >> "$SLURM_STATE/scontrol.log"\n[ "$1" = requeue ] || exit 0\nasker=$PPID\n'
+                '(while kill -0 $asker 2>/dev/null; do sleep 0.1; done; run_job $2 >> "$SLURM_STATE/$2.out" 2>&1) '
+                '> /dev/null 2>&1 &\n',
+    "sacct": 'echo "JobID|State|NodeList"\n',  # no state known: submitit waits for the job's result file
+}
+
+
+def stand_in_slurm(folder: Path) -> dict[str, str]:
+    (folder / "bin").mkdir(parents=True)
+    for name, body in STAND_INS.items():
+        tool = folder / "bin" / name
+        tool.write_text("#!/bin/sh\n" + body)
+        tool.chmod(0o755)
+    return {**os.environ, "SLURM_STATE": str(folder), "PATH": f"{folder / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_submitit_usr2_saves_at_the_agreed_batch_and_the_requeued_sweep_job_resumes_in_its_dir(tmp_path,
+                                                                                                one_process_reference):
+    env = stand_in_slurm(tmp_path / "slurm")
+    sweep = tmp_path / "sweep"
+    proc = launch([sys.executable, str(ROOT / "src" / "train.py"), "-m", "hydra/launcher=slurm", *TRAIN,
+                   "hydra.launcher.gpus_per_node=0", f"hydra.sweep.dir={sweep}", f"paths.log_dir={tmp_path / 'logs'}"],
+                  env=env)
+    job_dir = sweep / "0"
+    deadline = time.monotonic() + 180
+    while not (job_dir / "checkpoints" / "last.ckpt").is_file() and proc.poll() is None:
+        assert time.monotonic() < deadline, "the sweep job wrote no checkpoint"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    os.kill(int((tmp_path / "slurm" / "task.pid").read_text()), signal.SIGUSR2)  # SLURM's --signal=USR2@90
+
+    assert finish(proc) == 0, proc.stderr_text[-3000:]  # the sweep got its job's result: from the requeued job
+    assert (tmp_path / "slurm" / "scontrol.log").read_text().split() == ["requeue", "4301"]
+    assert [p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")] == ["0"]  # one job dir
+    log = (job_dir / "train.log").read_text()
+    stopped = re.search(r"SIGUSR2: every rank stopped at epoch \d+, global step (\d+)", log)
+    assert stopped, log[-3000:]  # saved at the agreed batch, not wherever submitit's handler struck
+    assert f"Resuming this run from {job_dir / 'checkpoints' / 'last.ckpt'}" in log
+    assert "status: finished" in status_of(job_dir)
+    assert not differing_weights(one_process_reference, job_dir)

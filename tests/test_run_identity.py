@@ -68,7 +68,11 @@ def test_slurm_job_keeps_its_directory_across_requeues_and_separates_commands(tm
     assert run_identity.run_dir_name(str(tmp_path), ["model=toy"]) != a  # another training in the same job
     write_status(a, FINISHED)
     run_identity._chosen.clear()
-    assert run_identity.run_dir_name(str(tmp_path), ["model=mlp"]) == a + "_2"  # same command after it finished
+    # a requeue after the run finished lands in it again (the task then says it is complete) ...
+    assert run_identity.run_dir_name(str(tmp_path), ["model=mlp"]) == a
+    run_identity._chosen.clear()
+    # ... unless it asks not to resume: then a fresh dir
+    assert run_identity.run_dir_name(str(tmp_path), ["model=mlp"], auto_resume=False) == a + "_2"
 
 
 @pytest.mark.fast

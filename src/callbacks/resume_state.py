@@ -1,4 +1,5 @@
-"""Every rank's random state in each checkpoint, so a resumed run continues bit-exact.
+"""Every rank's random state and running metrics in each checkpoint, so a resumed run continues bit-exact and
+logs what an uninterrupted run logs.
 
 Lightning 2 restores weights, optimizer, loop counters and (for stateful loaders) the data position,
 but no random state: after a restart, dropout and augmentation draw other numbers than the
@@ -91,3 +92,65 @@ class ResumeRandomState(Callback):
         if self._pending is not None:
             restore_random_state(trainer, self._pending)
             self._pending = None
+
+
+METRICS_KEY = "running_metrics_per_rank"
+
+
+class ResumeMetricState(Callback):
+    """Save each rank's running metrics in every checkpoint; put this rank's back when training resumes.
+
+    An epoch's training loss and accuracy accumulate over the epoch's batches (torchmetrics states, per
+    rank), and a best-so-far tracker over epochs. Neither is in a checkpoint: a run resumed mid-epoch
+    would log that epoch's mean over the batches after the resume only. The module names the metrics
+    that carry over (``resumable_metrics(mid_epoch)``, :class:`src.models.step_module.StepModule`); their
+    states are gathered to every rank as :class:`ResumeRandomState` gathers random states, and restored
+    at ``on_train_start``. The epoch's own metrics are kept only by a save inside a training epoch, and
+    restored only when the resume goes on with that epoch.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # during validation (an epoch-end save) the epoch's training metrics are complete: a resume from here
+        # starts the next epoch, and must not carry them into it
+        metrics = _resumable(pl_module, mid_epoch=not (trainer.validating or trainer.sanity_checking))
+        if not metrics:
+            return
+        mine = {name: {k: _to_cpu(v) for k, v in m.metric_state.items()} for name, m in metrics.items()}
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            states: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(states, mine)
+        else:
+            states = [mine]
+        checkpoint[METRICS_KEY] = states
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        states = checkpoint.get(METRICS_KEY)
+        if states and len(states) == trainer.world_size:
+            self._pending = states[trainer.global_rank]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._pending is None:
+            return
+        # Lightning ends an epoch resumed from its last batch without more batches: nothing more accumulates there
+        loop = trainer.fit_loop
+        mid_epoch = loop.restarted_mid_epoch and not loop.epoch_loop.batch_progress.is_last_batch
+        for name, metric in _resumable(pl_module, mid_epoch).items():
+            for key, value in self._pending.get(name, {}).items():
+                setattr(metric, key, _to_device(value, metric.device))
+        self._pending = None
+
+
+def _resumable(pl_module: L.LightningModule, mid_epoch: bool) -> dict[str, Any]:
+    named = getattr(pl_module, "resumable_metrics", None)
+    return named(mid_epoch) if callable(named) else {}
+
+
+def _to_cpu(value: Any) -> Any:
+    return [v.detach().cpu() for v in value] if isinstance(value, list) else value.detach().cpu()
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return [v.to(device) for v in value] if isinstance(value, list) else value.to(device)

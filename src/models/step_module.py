@@ -131,8 +131,17 @@ class StepModule(compat.FastHookName, LightningModule):
         torch.cuda.manual_seed(seed)  # the current device only (lazily, if CUDA is not initialised yet)
 
     def on_train_start(self) -> None:
-        if self.best_of:  # the sanity check must not count towards the best value
+        if self.best_of and self.trainer.ckpt_path is None:  # a resume restored it (ResumeMetricState)
             getattr(self, f"val_{self.best_of}_best").reset()
+
+    def resumable_metrics(self, mid_epoch: bool) -> dict[str, Metric]:
+        """The metrics whose running state a checkpoint keeps: the best-so-far tracker, and (``mid_epoch``) the
+        training epoch's (:class:`src.callbacks.resume_state.ResumeMetricState`). Validation and test metrics
+        start afresh."""
+        names = [n for n, m in self.named_children() if isinstance(m, Metric) and n.startswith("train_")] * mid_epoch
+        if self.best_of:
+            names.append(f"val_{self.best_of}_best")
+        return {n: getattr(self, n) for n in names}
 
     def on_validation_epoch_end(self) -> None:
         if not self.best_of or self.trainer.sanity_checking:

@@ -79,6 +79,9 @@ def destroy_default_group_at_exit() -> None:
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 PEER_FAILURE_EXIT_CODE = 1  # not 2: the bad input, if any, is the failed peer's to report
 _LAUNCHER_EXIT_WAIT_S = 10.0
+# The process that started this one, read at import (at start-up): a child rank's launcher may exit, and the
+# rank be re-parented, before the rank reports, and waiting for the new parent to exit would wait in vain.
+_STARTED_BY = os.getppid()
 
 
 def peer_failed(err: BaseException) -> bool:
@@ -112,8 +115,7 @@ def announce_peer_failure(rank: int) -> None:
         f"rank {rank}: stopping because another rank failed (its error is above)", file=sys.stderr, flush=True
     )
     if launch_context().launcher == CHILD:
-        launcher = os.getppid()
         deadline = time.monotonic() + _LAUNCHER_EXIT_WAIT_S
-        while os.getppid() == launcher and time.monotonic() < deadline:
+        while os.getppid() == _STARTED_BY and time.monotonic() < deadline:
             time.sleep(0.05)
 

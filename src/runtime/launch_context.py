@@ -44,6 +44,7 @@ class LaunchContext:
     restart_count: int = 0  # torchrun's restart attempt (--max-restarts)
     torchrun_run_id: str | None = None
     torchrun_agent_store: bool = False  # torchrun's ranks share its agent's TCPStore at MASTER_ADDR:MASTER_PORT
+    preempt_signal: str | None = None  # submitit: the signal its job gets before a time-out or preemption (USR2)
 
     @property
     def external(self) -> bool:
@@ -102,8 +103,11 @@ def read_launch_context(env: Mapping[str, str] | None = None) -> LaunchContext:
                              torchrun_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", **common)
     if env.get("SLURM_PROCID") is not None:
         common["node_rank"] = int(env.get("SLURM_NODEID") or 0)
-        return LaunchContext(SUBMITIT if env.get("SUBMITIT_EXECUTOR") else SRUN, _int(env["SLURM_PROCID"]),
-                             _int(env.get("SLURM_LOCALID")), world_size=_int(env.get("SLURM_NTASKS")), **common)
+        submitit = bool(env.get("SUBMITIT_EXECUTOR"))
+        return LaunchContext(SUBMITIT if submitit else SRUN, _int(env["SLURM_PROCID"]), _int(env.get("SLURM_LOCALID")),
+                             world_size=_int(env.get("SLURM_NTASKS")),
+                             preempt_signal=(env.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2") if submitit else None,
+                             **common)
     if env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE"):
         rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK")
         return LaunchContext(MPIRUN, _int(rank), _int(env.get("OMPI_COMM_WORLD_LOCAL_RANK") or "0"),

@@ -18,9 +18,15 @@ exits 0, so a preempted job looks successful. The project's strategies replace t
 
 SIGUSR1 is what ``#SBATCH --signal=SIGUSR1@90`` sends before the time limit: after the checkpoint,
 global rank 0 asks SLURM to requeue the job (``scontrol requeue``), which Lightning's own handler
-would do after saving mid-step from inside the signal handler. Outside fit (validate/test) the
-handler keeps Lightning's behaviour. One-process runs get the same stop, checked after every batch,
-from :class:`src.callbacks.stop_signals.StopSignals`.
+would do after saving mid-step from inside the signal handler. A job started by submitit (the
+``hydra/launcher=slurm`` sweeps) gets USR2 instead: submitit's own handler would requeue at once,
+mid-step, with nothing saved. Its handler is kept and called after the checkpoint, so submitit still
+pickles the job for the requeue and counts its time-outs. A requeued job ends with ``SystemExit``
+(as submitit's handler does), so neither Hydra nor submitit records a result for it: the requeued
+job, in the same job dir, resumes from ``last.ckpt`` and gives the result. Where ``scontrol`` is
+missing (a pyxis/enroot container), one line says the job was not requeued; the checkpoint is
+saved anyway. Outside fit (validate/test) the handler keeps Lightning's behaviour. One-process
+runs get the same stop, checked after every batch, from :class:`src.callbacks.stop_signals.StopSignals`.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ import contextlib
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -46,16 +53,23 @@ from src.utils.pylogger import RankedLogger
 log = RankedLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# The launcher's own handler of its preemption signal (submitit's USR2), called after the checkpoint.
+# Kept here, not on the picklable SigtermSync: it holds the job's pickled submission.
+_launcher_handlers: dict[int, Callable[[int, Any], Any]] = {}
 
 
 class Preempted(SIGTERMException):
-    """Every rank stopped on a signal after saving ``last.ckpt``; exits with ``128 + signal number``."""
+    """Every rank stopped on a signal after saving ``last.ckpt``; exits with ``128 + signal number``.
+
+    ``requeued``: the job was put back in the queue; it exits with SystemExit, leaving no result behind.
+    """
 
     preempted = True
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, requeued: bool = False) -> None:
         super().__init__(128 + signum)
         self.signal_name = signal.Signals(signum).name
+        self.requeued = requeued
 
     def __str__(self) -> str:
         return f"{self.signal_name}, last.ckpt saved; exit code {self.code}"
@@ -84,26 +98,56 @@ def stop_for_preemption(trainer: Trainer, signum: int) -> NoReturn:
     trainer.save_checkpoint(path, weights_only=False)  # every rank takes part, global rank 0 writes
     log.info(f"{name}: every rank stopped at {where}; saved {path}. Re-run the same command to resume.",
              rank=None)
-    if signum == signal.SIGUSR1 and trainer.is_global_zero:
-        requeue_slurm_job()
+    requeued = False
+    if signum in _launcher_handlers:
+        requeued = hand_over_to_launcher(signum)
+    elif signum == signal.SIGUSR1 and launch_context().slurm_job:
+        requeued = requeue_slurm_job() if trainer.is_global_zero else True
     compat.mark_sigterm_received(trainer)
-    raise Preempted(signum)
+    raise Preempted(signum, requeued)
 
 
-def requeue_slurm_job() -> None:
-    """``scontrol requeue`` this SLURM job (array task); the requeued job resumes from ``last.ckpt``."""
+def requeue_slurm_job() -> bool:
+    """``scontrol requeue`` this SLURM job (array task); the requeued job resumes from ``last.ckpt``. True if done."""
     job = launch_context().slurm_job
-    if not job:
-        return
     try:
         result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        log.warning(no_scontrol(job))
+        return False
     except (OSError, subprocess.TimeoutExpired) as err:
-        log.warning(f"could not requeue SLURM job {job}: {err}")
-        return
+        log.warning(f"could not requeue SLURM job {job}: {err}; last.ckpt is saved: resubmit the job to resume")
+        return False
     if result.returncode == 0:
         log.info(f"requeued SLURM job {job}")
-    else:
-        log.warning(f"scontrol requeue {job} failed ({result.returncode}): {result.stderr.strip()}")
+        return True
+    log.warning(f"scontrol requeue {job} failed ({result.returncode}): {result.stderr.strip()}; last.ckpt is saved: "
+                "resubmit the job to resume")
+    return False
+
+
+def no_scontrol(job: str | None) -> str:
+    return (f"SLURM job {job} not requeued: there is no scontrol here (a container without SLURM's tools, e.g. "
+            f"pyxis/enroot); last.ckpt is saved: resubmit the job, or run `scontrol requeue {job}` on the host")
+
+
+def hand_over_to_launcher(signum: int) -> bool:
+    """After the checkpoint, let the launcher's own handler (submitit's) requeue the job; True if it did.
+
+    submitit's handler pickles the job for the requeue and runs ``scontrol requeue`` on global rank 0,
+    then raises SystemExit; on the other ranks it does nothing.
+    """
+    try:
+        _launcher_handlers[signum](signum, None)
+    except SystemExit:
+        return True
+    except FileNotFoundError:  # its `scontrol requeue`
+        log.warning(no_scontrol(launch_context().slurm_job))
+        return False
+    except subprocess.CalledProcessError as err:
+        log.warning(f"submitit could not requeue the job: {err}; last.ckpt is saved: resubmit the job to resume")
+        return False
+    return not launch_context().is_global_zero  # another rank: global rank 0 requeues
 
 
 class SigtermSync:
@@ -197,4 +241,11 @@ def install_stop_handlers(trainer: Trainer, every_n_batches: int) -> SigtermSync
         # Lightning registers SIGUSR1 only for SLURM auto-requeue, and not over a handler already there
         with contextlib.suppress(ValueError, OSError):
             signal.signal(signal.SIGUSR1, note)
+        preempt = launch_context().preempt_signal  # submitit's USR2: save first, then submitit requeues
+        signum = getattr(signal, f"SIG{preempt}", None) if preempt else None
+        if signum is not None:
+            previous = signal.getsignal(signum)
+            if callable(previous) and not isinstance(previous, SigtermNote):
+                _launcher_handlers[signum] = previous
+            signal.signal(signum, note)
     return sync

@@ -10,7 +10,9 @@ behaves exactly like ``trainer=ddp``:
 * checkpoints are written atomically and loaded with ``weights_only=True``
   (:mod:`src.utils.checkpoint_io`), unless another CheckpointIO is given;
 * a collective waits at most ``timeout`` (10 minutes) for a busy peer;
-* a rank that dies or freezes ends every rank soon, with one line naming it (:mod:`src.runtime.watchdog`);
+* a rank that dies, freezes or gets stuck (in a collective its peers never join, or a blocking call) ends
+  every rank soon, with one line naming it; a stuck rank's collectives are written by torch's flight
+  recorder to ``<run dir>/flight_recorder/rank_<N>`` (:mod:`src.runtime.watchdog`);
 * a one-node run rendezvous through a file and gloo binds to loopback (:mod:`src.runtime.local_store`);
 * a torchrun restart does not read the keys of the attempt before it (:mod:`src.runtime.elastic_restart`);
 * the process group is destroyed before the interpreter exits (:mod:`src.runtime.exit_cleanup`).
@@ -41,9 +43,10 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife,
 
     Args:
         sigterm_check_every_n_batches: how often the ranks agree on a SIGTERM (1 = every batch).
-        hang_timeout_s: a rank whose heartbeat stops this long (frozen, or gone from another host) ends
-            the job (:mod:`src.runtime.watchdog`); a dead rank on the same host is seen within a second.
-            ``None`` turns the watchdog off.
+        hang_timeout_s: a rank whose heartbeat stops this long (frozen, or gone from another host), or that
+            the others have waited for this long while no rank made progress (stuck), ends the job
+            (:mod:`src.runtime.watchdog`); a dead rank is seen within a second on its host. It must exceed
+            the longest pause between batches (e.g. writing a checkpoint). ``None`` turns the watchdog off.
         timeout: how long a collective waits for a busy peer (``timedelta`` or seconds; ``None``: 10 min).
         **kwargs: Lightning's DDPStrategy arguments.
     """

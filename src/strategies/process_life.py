@@ -7,7 +7,7 @@ different hooks, so the pieces are methods each strategy calls from the hook tha
   a store namespace of its own (:mod:`src.runtime.elastic_restart`), a one-node run rendezvous through
   a file with gloo on loopback (:mod:`src.runtime.local_store`); Lightning keeps a group already up;
 * :meth:`ProcessLife.watch_process_group`, once the group is up: it is destroyed before the interpreter
-  exits (:mod:`src.runtime.exit_cleanup`), and a dead or frozen rank ends every rank (:mod:`src.runtime.watchdog`);
+  exits (:mod:`src.runtime.exit_cleanup`), and a dead, frozen or stuck rank ends every rank (:mod:`src.runtime.watchdog`);
 * ``on_exception``, ``teardown`` and pickling (``ddp_spawn``) come with the mixin.
 
 The SIGTERM agreement (:mod:`src.runtime.sigterm`) is installed by each strategy's ``setup``.
@@ -16,6 +16,7 @@ The SIGTERM agreement (:mod:`src.runtime.sigterm`) is installed by each strategy
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,8 @@ from src.runtime.elastic_restart import init_group_of_this_attempt
 from src.runtime.exit_cleanup import destroy_default_group_at_exit
 from src.runtime.local_store import init_group_with_local_store
 from src.runtime.sigterm import check_interval
-from src.runtime.watchdog import RankWatchdog
+from src.runtime.watchdog import RankWatchdog, record_collectives
+from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError, user_error_cause
 from src.utils.pylogger import RankedLogger
 
@@ -64,6 +66,8 @@ class ProcessLife:
 
     def join_process_group(self) -> None:
         """Before Lightning starts the group: this torchrun attempt's namespace, or a one-node file rendezvous."""
+        if self.hang_timeout_s:  # before the group exists: torch reads these when it makes the group
+            record_collectives(self.group_backend, self.flight_recorder_dir)
         self.set_world_ranks()
         device: torch.device = self.root_device
         if init_group_of_this_attempt(self.group_backend, self.collective_timeout, device) or self.num_nodes != 1:
@@ -80,8 +84,32 @@ class ProcessLife:
         destroy_default_group_at_exit()
         if self.hang_timeout_s and self.world_size > 1 and self.watchdog is None:
             self.watchdog = RankWatchdog(self.global_rank, self.world_size, timeout_s=self.hang_timeout_s,
-                                         store=self.file_store)
+                                         store=self.file_store, progress=self.progress,
+                                         flight_recorder_dir=self.flight_recorder_dir)
             self.watchdog.start()
+
+    @property
+    def flight_recorder_dir(self) -> Path:
+        """Where each rank's record of its collectives goes when a rank is stuck: ``<run dir>/flight_recorder``."""
+        try:
+            root = self.lightning_module.trainer.default_root_dir
+        except (AttributeError, RuntimeError):  # no module or trainer attached
+            root = "."
+        return Path(root) / "flight_recorder"
+
+    def progress(self) -> tuple[int, int, int]:
+        """What the watchdog publishes: batches this rank finished (every loop), collectives it entered, global step.
+
+        Read from the watchdog's thread while the main thread may be stuck: plain counters only.
+        """
+        try:
+            trainer = self.lightning_module.trainer
+            loops = (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop,
+                     trainer.test_loop, trainer.predict_loop)
+            batches = sum(loop.batch_progress.total.processed for loop in loops)
+            return batches, compat.collectives_entered(), trainer.global_step
+        except (AttributeError, RuntimeError):  # no trainer attached yet
+            return 0, 0, 0
 
     def on_exception(self, exception: BaseException) -> None:
         """A failed collective because a peer died or froze: name that rank and end this one (watchdog)."""

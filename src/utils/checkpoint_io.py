@@ -9,6 +9,10 @@ writes its temp file *in the destination directory*, fsyncs it, and ``os.replace
 checkpoint (an atomic rename on POSIX): at every instant the checkpoint is either the old file or
 the new one, whole. Temp files a kill left behind are removed at the next save into that folder.
 
+A save that runs out of space (ENOSPC, or a quota: EDQUOT) raises :class:`DiskFullError`, one line naming
+the file, the bytes it needs and the bytes free, instead of torch's ``RuntimeError: [enforce fail at
+inline_container.cc] ... unexpected pos``; the temp file is removed and the last good checkpoint stays.
+
 Loads pass ``weights_only=True`` to ``torch.load`` unless the caller explicitly passes ``False``: a
 checkpoint holds tensors and plain values (the models keep their hyper-parameters plain for this),
 so a crafted file can run no code while it is read.
@@ -17,6 +21,7 @@ so a crafted file can run no code while it is read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
 import re
@@ -138,9 +143,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, dest)
-        except BaseException:
+        except BaseException as err:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+            if disk_full(err):
+                raise DiskFullError(dest, serialized_size(checkpoint), free_bytes(dest.parent)) from None
             raise
         _fsync_dir(dest.parent)
 
@@ -159,6 +166,61 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not _is_local(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         return load_checkpoint_file(str(path).removeprefix("file://"), map_location, weights_only)
+
+
+class DiskFullError(CheckpointError):
+    """A checkpoint did not fit on its filesystem; the previous checkpoint file is untouched."""
+
+    def __init__(self, path: Path, needed: int, free: int) -> None:
+        super().__init__(
+            f"no space left to save checkpoint {path}: it needs {needed} bytes ({needed / 2**20:.1f} MiB) and "
+            f"{free} bytes ({free / 2**20:.1f} MiB) are free there; the last good checkpoint is kept; fix: free "
+            "space on that filesystem, or put the run on a larger one (paths.log_dir=... or hydra.run.dir=...)"
+        )
+        self.path, self.needed, self.free = path, needed, free
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(err: BaseException) -> bool:
+    """True when ``err`` comes from a write that found no space: torch wraps the ``OSError`` in a RuntimeError."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class _ByteCounter:
+    """A write-only file that keeps only the number of bytes written to it."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.size += memoryview(data).nbytes
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+def serialized_size(checkpoint: dict[str, Any]) -> int:
+    """The bytes ``torch.save(checkpoint)`` writes, without writing them (serialized again: only after a failure)."""
+    counter = _ByteCounter()
+    torch.save(checkpoint, counter)
+    return counter.size
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged process may still write on ``directory``'s filesystem."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def atomic_by_default(io: CheckpointIO | None) -> CheckpointIO:

@@ -137,6 +137,11 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: torch.serialization, "_get_layout", "reading sharded checkpoints' metadata without running code"),
     (lambda: dcp_filesystem, "_StorageInfo", "reading sharded checkpoints' metadata without running code"),
     (lambda: dcp_metadata, "_MEM_FORMAT_ENCODING", "reading sharded checkpoints' metadata without running code"),
+    (lambda: dist.distributed_c10d, "_get_default_group", "naming a stuck rank (collectives it entered)"),
+    (lambda: dist.ProcessGroup, "_get_sequence_number_for_group", "naming a stuck rank (collectives it entered)"),
+    (lambda: torch, "_C", "a stuck rank's flight-recorder record"),
+    (lambda: torch._C, "_distributed_c10d", "a stuck rank's flight-recorder record"),
+    (lambda: torch._C._distributed_c10d, "_dump_fr_trace", "a stuck rank's flight-recorder record"),
 )
 
 
@@ -257,6 +262,24 @@ def backend_supports_coalescing(group: dist.ProcessGroup, device: torch.device) 
         return bool(getattr(group._get_backend(device), "supports_coalescing", False))
     except (RuntimeError, AttributeError):  # no backend registered for this device type
         return False
+
+
+def collectives_entered() -> int:
+    """How many collectives this rank has entered on the default group (its sequence number; 0 before it exists).
+
+    Every rank of a group counts the same collectives in the same order, so a rank with a lower count has
+    not joined a collective the others wait in.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+
+
+def flight_recorder_dump() -> bytes:
+    """torch's flight-recorder record of this process's collectives (a pickle; ``TORCH_FR_BUFFER_SIZE`` > 0
+    must have been set before the process group was made): what ``python -m torch.distributed.flight_recorder.fr_trace``
+    reads, as NCCL's own dump on a collective timeout writes it."""
+    return torch._C._distributed_c10d._dump_fr_trace()
 
 
 def optimizers_to_device(optimizers: list, device: torch.device) -> None:

@@ -4,15 +4,23 @@
 
 1. **The launcher's job id.** A SkyPilot task (``SKYPILOT_TASK_ID``, kept across spot recoveries) or a
    SLURM job (``SLURM_JOB_ID`` plus array task and step, kept across requeues): every rank computes
-   the same name, and a requeue or recovery lands in its own directory again. The name also carries
-   a hash of the command's overrides, so two different trainings in one allocation get two dirs.
+   the same name, and a requeue or recovery lands in its own directory again, also after training
+   finished: the task then finishes what is left (the test), or exits 0 saying the run is complete
+   (:func:`src.utils.run_status.completed_task`). The name also carries a hash of the command's
+   overrides, so two different trainings in one allocation get two dirs. (``auto_resume=false``: the
+   first of ``name``, ``name_2`` ... that has not finished.)
 2. **torchrun.** The first rank to ask stores a fresh stamp in the elastic agent's store; the others,
    and the ranks of an elastic restart (``--max-restarts``), read it back. A second launch (new agent,
    same port or not) gets a new stamp.
 3. **A plain command.** With ``auto_resume``, the newest run of this task started with the same
-   overrides that did not finish, holds ``checkpoints/last.ckpt`` and is not running (its lock is
-   free) is taken over: re-running the command continues it. Otherwise a new directory named from
-   the time, created exclusively (``_2``, ``_3`` ... for runs started in the same second).
+   overrides that did not finish and is not running (its lock is free) is taken over: re-running the
+   command continues it from ``checkpoints/last.ckpt``, or starts it again in the same dir when it was
+   killed before its first checkpoint. Otherwise a new directory named from the time, created
+   exclusively (``_2``, ``_3`` ... for runs started in the same second). A run in this root whose
+   status says ``running`` while its process is gone from this host is marked ``died`` on the way.
+
+Each run dir also gets a random id, made once and kept in it (:func:`run_uid`): W&B and MLflow continue one
+run by it across resumes.
 
 A directory taken over or created locally stays locked (``flock`` on ``.lock``) while this process
 lives, so two identical commands never share one; the kernel drops the lock when the process dies,
@@ -25,13 +33,15 @@ import datetime as dt
 import fcntl
 import hashlib
 import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
 from src.runtime.launch_context import launch_context
-from src.utils.run_status import ENDED, read_status
+from src.utils.run_status import ENDED, RUNNING, STATUS_FILE, mark_if_died, read_status
 
 LOCK_FILE = ".lock"
+RUN_ID_FILE = ".run_id"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 _chosen: dict[tuple, str] = {}  # hydra.run.dir is resolved several times per run: answer alike each time
 _locks: dict[str, int] = {}  # run dir -> open fd holding its flock
@@ -56,10 +66,12 @@ def forget_run_dir() -> None:
 def _choose(root: Path, overrides: list[str], auto_resume: bool) -> Path:
     job_id = launch_context().job_id
     if job_id is not None:
-        # every rank must reach the same answer without talking: the first of name, name_2, ... not finished
+        # every rank must reach the same answer without talking; a job's own earlier dir is kept, finished or not
         name = f"{job_id}_{hashlib.sha1(chr(10).join(overrides).encode()).hexdigest()[:8]}"
-        return next(root / (name if n == 1 else f"{name}_{n}") for n in range(1, 10_000)
-                    if read_status(root / (name if n == 1 else f"{name}_{n}")) not in ENDED)
+        names = [root / (name if n == 1 else f"{name}_{n}") for n in range(1, 10_000)]
+        if auto_resume:  # the newest of name, name_2 ... (earlier versions made _2 after a finished run)
+            return next((d for d in reversed(names[:_count_existing(names)])), names[0])
+        return next(d for d in names if read_status(d) not in ENDED)
     stamp = torchrun_stamp()
     if stamp is not None:
         return root / stamp
@@ -84,17 +96,33 @@ def torchrun_stamp(timeout_s: float = 60.0) -> str | None:
     return store.compare_set("lightning_hydra_template/run_dir", "", mine).decode()
 
 
+def _count_existing(names: list[Path]) -> int:
+    return next(n for n, d in enumerate(names) if not d.is_dir())
+
+
 def _unfinished_run(root: Path, overrides: list[str]) -> Path | None:
-    """The newest resumable run of these overrides that is not running (its lock is taken here)."""
+    """The newest run of these overrides that did not finish and is not running (its lock is taken here).
+
+    A run killed before its first checkpoint counts too, once its owner is gone: it starts again there.
+    """
     if not root.is_dir():
         return None
-    candidates = [d for d in root.iterdir() if (d / "checkpoints" / "last.ckpt").exists()]  # file or fsdp folder
-    for run in sorted(candidates, key=lambda d: (d / "checkpoints" / "last.ckpt").stat().st_mtime, reverse=True):
-        if read_status(run) in ENDED or _recorded_overrides(run) != overrides:
+    candidates = [d for d in root.iterdir() if d.is_dir() and (d / OVERRIDES_FILE).is_file()]
+    for run in sorted(candidates, key=_last_activity, reverse=True):
+        mark_if_died(run)
+        status = read_status(run)
+        if status in ENDED or _recorded_overrides(run) != overrides:
             continue
+        if status == RUNNING and not (run / "checkpoints" / "last.ckpt").exists():  # a file, or fsdp's folder
+            continue  # its owner may live on another host (its lock would say so only on this one)
         if _lock(run):
             return run
     return None
+
+
+def _last_activity(run: Path) -> float:
+    last = run / "checkpoints" / "last.ckpt"
+    return max(p.stat().st_mtime for p in (run, last, run / STATUS_FILE) if p.exists())
 
 
 def _recorded_overrides(run: Path) -> list[str] | None:
@@ -128,3 +156,23 @@ def _lock(run: Path) -> bool:
         return False
     _locks[str(run)] = fd
     return True
+
+
+def run_uid(run_dir: str) -> str:
+    """The id of the run in ``run_dir``: random (16 hex digits), made by the first process to ask, kept in the dir.
+
+    Every rank, and every later attempt of the run, reads the same one. The file appears whole or not at
+    all (hard-linked from a temp file), so a rank never reads half an id.
+    """
+    path = Path(run_dir) / RUN_ID_FILE
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{RUN_ID_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(secrets.token_hex(8))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another rank made it first: read theirs
+            pass
+        finally:
+            tmp.unlink()
+    return path.read_text().strip()

@@ -1,7 +1,12 @@
-"""``<run dir>/status.yaml``: whether a run is running, finished, pruned, preempted or failed, and where it stopped.
+"""``<run dir>/status.yaml``: whether a run is running, finished, pruned, preempted, failed or died, and where it stopped.
 
-Auto-resume (:mod:`src.utils.run_identity`) takes over only runs that did not finish; users and
-cluster scripts read the same file to see what happened to a run.
+``finished`` means the whole task is done (fit, then test when ``test=true``), and the file then holds
+the run's metrics and the overrides it was started with: a relaunch of that command (a SLURM requeue,
+the same job id) exits 0 saying so, instead of training again (:func:`completed_run`). While a run
+works the file says ``running`` and names its owner (pid, host, start time); a run killed by SIGKILL
+leaves ``running`` behind, which :func:`read_status` reports as ``died`` once that process is gone
+from this host. Auto-resume (:mod:`src.utils.run_identity`) takes over runs that did not finish;
+users and cluster scripts read the same file to see what happened to a run.
 """
 
 from __future__ import annotations
@@ -9,46 +14,131 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import math
 import os
-from collections.abc import Iterator
+import socket
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from src.runtime.launch_context import launch_context
 
 if TYPE_CHECKING:  # imported by the run-dir resolver, before logging is set up: no Lightning at import
     import lightning as L
+    from omegaconf import DictConfig
 
 STATUS_FILE = "status.yaml"
-RUNNING, FINISHED, PREEMPTED, FAILED = "running", "finished", "preempted", "failed"
+RUNNING, FINISHED, PREEMPTED, FAILED, DIED = "running", "finished", "preempted", "failed", "died"
 PRUNED = "pruned"  # a search's trial that its pruner stopped early (src/callbacks/optuna_pruning.py)
 ENDED = (FINISHED, PRUNED)  # runs that ended as they should: nothing to resume
 
 
-def write_status(run_dir: str | os.PathLike, status: str, detail: str = "") -> None:
-    """Record ``status`` (and a one-line ``detail``) for ``run_dir``, atomically. Call it from global rank 0."""
+def write_status(run_dir: str | os.PathLike, status: str, detail: str = "", **fields: Any) -> None:
+    """Record ``status``, a one-line ``detail``, this process as owner, and ``fields`` (one JSON line each).
+
+    Atomic (temp file, then rename). Call it from global rank 0.
+    """
     path = Path(run_dir) / STATUS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
     when = dt.datetime.now().isoformat(timespec="seconds")
-    tmp.write_text(f"status: {status}\ndetail: {json.dumps(detail)}\ntime: '{when}'\npid: {os.getpid()}\n")
+    me = psutil.Process()
+    lines = [f"status: {status}", f"detail: {json.dumps(detail)}", f"time: '{when}'", f"pid: {me.pid}",
+             f"host: {json.dumps(socket.gethostname())}", f"started: {me.create_time()!r}"]
+    lines += [f"{key}: {json.dumps(value)}" for key, value in fields.items()]
+    tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)
 
 
-def read_status(run_dir: str | os.PathLike) -> str | None:
-    """The recorded status of ``run_dir``, or None when it has none."""
+def read_fields(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Every field of ``run_dir``'s status file (empty when it has none)."""
     path = Path(run_dir) / STATUS_FILE
     if not path.is_file():
+        return {}
+    import yaml
+
+    with contextlib.suppress(yaml.YAMLError, OSError):
+        fields = yaml.safe_load(path.read_text())
+        return fields if isinstance(fields, dict) else {}
+    return {}
+
+
+def read_status(run_dir: str | os.PathLike) -> str | None:
+    """The status of ``run_dir`` (None when it has none); ``running`` whose owner is gone from this host is ``died``."""
+    fields = read_fields(run_dir)
+    status = fields.get("status")
+    if status == RUNNING and owner_gone(fields):
+        return DIED
+    return status
+
+
+def owner_gone(fields: dict[str, Any]) -> bool:
+    """True when the process that wrote ``fields`` ran on this host and is gone (its pid is free or reused)."""
+    if fields.get("host") != socket.gethostname() or not isinstance(fields.get("pid"), int):
+        return False  # another host's process (or an old file): this host cannot tell
+    try:
+        proc = psutil.Process(fields["pid"])
+        started = fields.get("started")
+        return proc.status() == psutil.STATUS_ZOMBIE or (
+            isinstance(started, float) and abs(proc.create_time() - started) > 0.01)
+    except psutil.Error:
+        return True
+
+
+def mark_if_died(run_dir: str | os.PathLike) -> bool:
+    """Rewrite a ``running`` status whose owner is gone as ``died`` (naming that owner); True if it was."""
+    fields = read_fields(run_dir)
+    if fields.get("status") != RUNNING or not owner_gone(fields):
+        return False
+    detail = f"its process (pid {fields['pid']} on {fields['host']}) ended without a word: killed, e.g. by SIGKILL"
+    with contextlib.suppress(OSError):
+        write_status(run_dir, DIED, detail)
+    return True
+
+
+def completed_run(run_dir: str | os.PathLike, overrides: Sequence[str]) -> dict[str, float] | None:
+    """The metrics recorded when ``run_dir`` ended its whole task (finished, or pruned by a search) with these
+    ``overrides``, else None."""
+    fields = read_fields(run_dir)
+    if fields.get("status") not in ENDED or fields.get("overrides") != list(overrides):
         return None
-    for line in path.read_text().splitlines():
-        if line.startswith("status:"):
-            return line.split(":", 1)[1].strip()
-    return None
+    return dict(fields.get("metrics") or {})
+
+
+def task_overrides() -> list[str]:
+    """The command-line overrides of this Hydra job (what makes two launches the same command)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def completed_task(cfg: DictConfig) -> dict[str, float] | None:
+    """The recorded metrics when this run dir already finished this very command (a requeue or relaunch with
+    ``auto_resume``; an explicit ``ckpt_path`` always trains), else None."""
+    if not cfg.get("train") or not cfg.get("auto_resume") or cfg.get("ckpt_path"):
+        return None
+    return completed_run(cfg.paths.output_dir, task_overrides())
+
+
+class RunStatus:
+    """The task's handle on its status file: a stage note while it runs, and the metrics recorded at the end."""
+
+    def __init__(self, trainer: L.Trainer, run_dir: str | os.PathLike) -> None:
+        self.trainer, self.run_dir = trainer, run_dir
+        self.metrics: dict[str, Any] = {}
+
+    def note(self, detail: str) -> None:
+        """Still ``running``, now at ``detail`` (e.g. "testing")."""
+        if self.trainer.is_global_zero:
+            write_status(self.run_dir, RUNNING, detail)
 
 
 @contextlib.contextmanager
-def run_status(trainer: L.Trainer, run_dir: str | os.PathLike) -> Iterator[None]:
-    """Around ``fit``: ``running``, then ``finished``, ``preempted`` (a stop signal) or ``failed`` (any error).
+def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> Iterator[RunStatus]:
+    """Around the whole task (fit, then test): ``running``, then ``finished`` with the task's metrics and
+    ``overrides``, ``preempted`` (a stop signal) or ``failed`` (any error).
 
     A callback that ended the run early on purpose says how in its ``ended_run_as`` (status, detail).
     """
@@ -56,16 +146,31 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike) -> Iterator[None]
 
     if launch_context().is_launching_process:  # before fit the ranks are not known yet
         write_status(run_dir, RUNNING)
+    record = RunStatus(trainer, run_dir)
     try:
-        yield
+        yield record
     except BaseException as err:
         if trainer.is_global_zero:
             preempted = isinstance(err, SIGTERMException) or getattr(err, "preempted", False)
             where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
-            detail = f"{err} at {where}" if preempted else f"{type(err).__name__} at {where}: {err}"
-            write_status(run_dir, PREEMPTED if preempted else FAILED, detail)
+            stage = "" if trainer.state.fn in (None, "fit") else f" during {trainer.state.fn}"
+            detail = f"{err} at {where}" if preempted else f"{type(err).__name__}{stage} at {where}: {err}"
+            with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
+                write_status(run_dir, PREEMPTED if preempted else FAILED, detail)
         raise
     if trainer.is_global_zero:
         ended = next((c.ended_run_as for c in trainer.callbacks if getattr(c, "ended_run_as", None)), None)
         where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
-        write_status(run_dir, *(ended or (FINISHED, where)))
+        write_status(run_dir, *(ended or (FINISHED, where)), overrides=list(overrides),
+                     metrics=plain_metrics(record.metrics))
+
+
+def plain_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """Scalar metrics as plain floats (tensors and NaN/inf left out), for status.yaml."""
+    plain = {}
+    for key, value in metrics.items():
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):
+            number = float(value.item() if hasattr(value, "item") else value)
+            if math.isfinite(number):
+                plain[str(key)] = number
+    return plain

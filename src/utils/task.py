@@ -37,6 +37,8 @@ def task_wrapper(
         except SIGTERMException as err:
             if err.code is None:  # Lightning's own stop (validate/test): a stopped job must not look successful
                 raise SystemExit(128 + signal.SIGTERM) from None
+            if getattr(err, "requeued", False):  # no result for Hydra or submitit: the requeued job gives it
+                raise SystemExit(err.code) from None
             raise
         except Exception as err:
             cause = user_error_cause(err) or rendezvous_error(err)

@@ -1,0 +1,164 @@
+"""Loggers that keep one run one series across resumes: a killed run re-run with the same command continues its
+logs instead of starting new ones.
+
+A resume replays the steps between its checkpoint and the kill, so every logger gets those steps twice.
+Lightning's loggers start a new series on each start instead: CSV and TensorBoard pick the next
+``version_N`` (and CSV deletes ``metrics.csv`` if told to reuse a version), W&B makes a new run unless it
+is given the same id, and MLflow a new run unless it is given the run id. Here:
+
+* :class:`ResumableCSVLogger` keeps ``version_0``. The first metrics a fit logs are the first it replays
+  (:class:`src.callbacks.resume_logs.ContinueLogs` tells the loggers when a fit starts), so the rows of
+  that step and after are dropped from the file before the new ones are written (CSVLogger has no such
+  option). Rows are written as they are logged, so a kill loses none of the steps the checkpoint holds.
+* :class:`ResumableTensorBoardLogger` keeps ``version_0`` and, at the first metrics a fit logs, writes
+  TensorBoard's own restart marker (the ``SessionLog.START`` event that ``SummaryWriter(purge_step=)``
+  writes): TensorBoard then hides the earlier events of that step and after.
+* :class:`ResumableMLFlowLogger` tags its run with the run's id (:func:`src.utils.run_identity.run_uid`)
+  and continues the run of that tag, if an earlier attempt made one.
+* W&B is given that id and ``resume: allow`` in ``configs/logger/wandb.yaml``.
+
+W&B and MLflow keep every point they were sent: the replayed steps appear twice there, with the values
+of the uninterrupted run (the resume is bit-exact).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import warnings
+from argparse import Namespace
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from src.runtime.launch_context import launch_context
+
+RUN_TAG = "lightning_hydra_template.run_id"  # MLflow tag holding the run's id
+
+
+class ResumableCSVLogger(CSVLogger):
+    """Lightning's CSVLogger writing every row as it is logged into one ``metrics.csv`` that a resume continues."""
+
+    def __init__(self, save_dir: str, name: str = "csv", version: int | str = 0, prefix: str = "",
+                 flush_logs_every_n_steps: int = 1) -> None:
+        super().__init__(save_dir, name=name, version=version, prefix=prefix,
+                         flush_logs_every_n_steps=flush_logs_every_n_steps)
+        self._writer: Any = None
+        self._replays = False  # the next metrics logged start a fit's replay
+
+    @property
+    def metrics_file(self) -> Path:
+        return Path(self.log_dir) / "metrics.csv"
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        if self._writer is None:
+            kept = self.metrics_file.with_name(".metrics.csv.kept")
+            if self.metrics_file.is_file():  # Lightning's writer deletes the file it finds: keep it aside
+                os.replace(self.metrics_file, kept)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Experiment logs directory .* exists and is not empty")
+                self._writer = super().experiment
+            if kept.is_file():
+                os.replace(kept, self.metrics_file)
+                self._writer.metrics_keys = _header(self.metrics_file)
+        return self._writer
+
+    def replay_starts(self, starts: bool = True) -> None:
+        """A fit starts (True) or ended (False): the next metrics it logs replace the rows of their step and after."""
+        self._replays = starts
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        if self._replays and step is not None:
+            _drop_rows_from(self.experiment, self.metrics_file, step)
+        self._replays = False
+        super().log_metrics(metrics, step)
+
+
+def _header(path: Path) -> list[str]:
+    with open(path, newline="") as f:
+        return next(csv.reader(f), [])
+
+
+def _drop_rows_from(writer: Any, path: Path, step: int) -> None:
+    """Rewrite ``path`` without its rows of ``step`` and after (atomically: a kill leaves the old or new file)."""
+    if not path.is_file():
+        return
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        fields = list(reader.fieldnames or [])
+    kept = [row for row in rows if not row.get("step") or int(float(row["step"])) < step]
+    if len(kept) == len(rows):
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=fields)
+        out.writeheader()
+        out.writerows(kept)
+    os.replace(tmp, path)
+    writer.metrics_keys = fields
+
+
+class ResumableTensorBoardLogger(TensorBoardLogger):
+    """Lightning's TensorBoardLogger in ``version_0``, which a resume continues; TensorBoard shows the replayed
+    steps once."""
+
+    def __init__(self, save_dir: str, name: str | None = None, version: int | str = 0, **kwargs: Any) -> None:
+        super().__init__(save_dir, name=name, version=version, **kwargs)
+        self._continues = any(Path(self.log_dir).glob("events.out.tfevents.*"))  # before this process writes one
+        self._replays = False
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, metrics: dict[str, Any] | None = None,
+                        step: int | None = None) -> None:
+        if self._continues:  # the first attempt wrote them (same command); again would repeat hp_metric at step 0
+            self.hparams.update(params if isinstance(params, dict) else vars(params))
+            return
+        replays, self._replays = self._replays, False  # hp_metric's step 0 is not where a replay starts
+        super().log_hyperparams(params, metrics, step)
+        self._replays = replays
+
+    def replay_starts(self, starts: bool = True) -> None:
+        """A fit starts (True) or ended (False): TensorBoard hides the earlier events from the next metrics' step."""
+        self._replays = starts
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if self._replays and self._continues and step is not None:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            self.experiment.file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+        self._replays = False
+        super().log_metrics(metrics, step)
+
+
+class ResumableMLFlowLogger(MLFlowLogger):
+    """Lightning's MLFlowLogger continuing the MLflow run tagged ``run_uid``: a resume logs into the same run."""
+
+    def __init__(self, experiment_name: str = "lightning_logs", run_uid: str | None = None,
+                 tags: dict[str, Any] | None = None, run_id: str | None = None, **kwargs: Any) -> None:
+        tags = {**(tags or {}), **({RUN_TAG: run_uid} if run_uid else {})}
+        if run_id is None and run_uid and launch_context().is_launching_process:  # only rank 0 logs
+            # MLFlowLogger's own default: MLFLOW_TRACKING_URI, else a file store under save_dir
+            uri = kwargs.get("tracking_uri", os.getenv("MLFLOW_TRACKING_URI")) or f"file:{kwargs.get('save_dir', './mlruns')}"
+            run_id = earlier_mlflow_run(uri, experiment_name, run_uid)
+        super().__init__(experiment_name=experiment_name, tags=tags, run_id=run_id, **kwargs)
+
+
+def earlier_mlflow_run(tracking_uri: str, experiment_name: str, run_uid: str) -> str | None:
+    """The id of the run of ``experiment_name`` tagged ``run_uid`` (an earlier attempt of this run), if any."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        return None
+    runs = client.search_runs([experiment.experiment_id], f"tags.`{RUN_TAG}` = '{run_uid}'", max_results=1)
+    return runs[0].info.run_id if runs else None

@@ -1,0 +1,114 @@
+"""One run is one series in every logger: kill -9 a run twice, re-run the same command, and its logs hold what
+an uninterrupted run's hold.
+
+CSV: every logged row once, the same rows and values (the throughput, ``perf/*``, is a wall-clock figure
+and left out). TensorBoard: one ``version_0``, and the scalars TensorBoard reads back (it hides the steps a
+resume replays) equal the uninterrupted run's. MLflow (file store): one run, every step's value equal.
+W&B (offline): every attempt writes under the run's own id. metrics.png is drawn from the CSV, whole.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+import signal
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from src.callbacks.metric_plot import MetricPlot
+from src.loggers.resumable import ResumableCSVLogger
+from tests.helpers.config import ROOT
+from tests.helpers.training_runs import finish, launch, run_dirs, wait_for_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
+
+# The deterministic MLP (dropout, augmentation), 2 epochs of 30 batches, last.ckpt every 7 steps: resumes land
+# mid-epoch, where the epoch's running loss and accuracy must carry over.
+LOGS = ["model=mlp", "data=fashion_mnist", "data.augment=true", "trainer.max_epochs=2", "+trainer.limit_train_batches=30",
+        "+trainer.limit_val_batches=3", "test=false", "extras.print_config=false",
+        "callbacks.resume_checkpoint.every_n_train_steps=7", "logger=[csv,tensorboard,mlflow,wandb]"]
+
+
+def train(log_dir: Path):
+    return launch([sys.executable, str(ROOT / "src" / "train.py"), *LOGS, f"paths.log_dir={log_dir}",
+                   f"logger.mlflow.tracking_uri=file:{log_dir}/mlflow"], env={**os.environ, "WANDB_SILENT": "true"})
+
+
+def csv_rows(run: Path) -> list[dict[str, str]]:
+    (path,) = run.glob("csv/*/metrics.csv")
+    with open(path, newline="") as f:
+        return [{k: v for k, v in row.items() if v and not k.startswith("perf/")} for row in csv.DictReader(f)]
+
+
+def tensorboard_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (version,) = (run / "tensorboard").iterdir()
+    events = EventAccumulator(str(version))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+            if not tag.startswith("perf/")}
+
+
+def mlflow_metrics(log_dir: Path) -> dict[str, dict[int, set[float]]]:
+    """The one MLflow run's metrics: key -> step -> the values logged at that step (file store)."""
+    (run,) = [p.parent for p in (log_dir / "mlflow").glob("*/*/metrics")]
+    found: dict[str, dict[int, set[float]]] = defaultdict(lambda: defaultdict(set))
+    for path in (run / "metrics").rglob("*"):
+        key = str(path.relative_to(run / "metrics"))
+        if path.is_file() and not key.startswith("perf/"):
+            for line in path.read_text().splitlines():
+                _, value, step = line.split()
+                found[key][int(step)].add(float(value))
+    return {k: dict(v) for k, v in found.items()}
+
+
+def kill_twice_then_finish(log_dir: Path) -> Path:
+    rng, kills = random.Random(21), 0
+    while True:
+        proc = train(log_dir)
+        if kills < 2 and wait_for_checkpoint(proc, log_dir):
+            time.sleep(rng.uniform(0.0, 1.5))
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
+                kills += 1
+                continue
+        assert finish(proc) == 0, proc.stderr_text[-3000:]
+        assert kills == 2, "the run finished before both kills landed"
+        (run,) = run_dirs(log_dir)
+        return run
+
+
+def test_every_logger_continues_one_series_across_kills(tmp_path):
+    reference = train(tmp_path / "reference")
+    assert finish(reference) == 0, reference.stderr_text[-3000:]
+    (expected,) = run_dirs(tmp_path / "reference")
+    run = kill_twice_then_finish(tmp_path / "killed")
+
+    assert [p.name for p in (run / "csv").iterdir()] == ["version_0"]
+    assert csv_rows(run) == csv_rows(expected)
+
+    plot = MetricPlot()
+    logged = {p: plot.logged(SimpleNamespace(loggers=[ResumableCSVLogger(str(p))])) for p in (run, expected)}
+    assert logged[run] == logged[expected] and set(logged[run]["train/loss"]) == {0, 1}  # the whole run
+    assert (run / "metrics.png").is_file()
+
+    assert [p.name for p in (run / "tensorboard").iterdir()] == ["version_0"]
+    assert len(list((run / "tensorboard" / "version_0").glob("events.out.tfevents.*"))) == 3  # one per attempt
+    assert tensorboard_scalars(run) == tensorboard_scalars(expected)
+
+    got, want = mlflow_metrics(tmp_path / "killed"), mlflow_metrics(tmp_path / "reference")
+    assert got.keys() == want.keys()
+    for key in want:  # every step once in the reference; replayed steps may be there twice, with the same value
+        assert got[key] == want[key], key
+
+    run_id = (run / ".run_id").read_text().strip()
+    attempts = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 3 and all(p.name.endswith(f"-{run_id}") for p in attempts)
