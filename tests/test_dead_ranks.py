@@ -65,7 +65,7 @@ def test_a_failed_rank_ends_the_job_and_is_named(tmp_path, victim, fault, strate
 @pytest.mark.parametrize("how", ["collective", "call"])
 def test_a_rank_stuck_while_its_threads_live_is_named_within_hang_timeout(tmp_path, how):
     """Its heartbeat thread beats on; it is named because the others wait for it and nobody makes progress."""
-    proc = start(tmp_path, *LONG, "+callbacks.stuck._target_=tests.helpers.stuck_rank.StuckRank",
+    proc = start(tmp_path, "trainer=ddp", *LONG, "+callbacks.stuck._target_=tests.helpers.stuck_rank.StuckRank",
                  f"+callbacks.stuck.how={how}")
     try:
         deadline = time.monotonic() + 120
