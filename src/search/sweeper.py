@@ -39,6 +39,7 @@ from optuna.trial import TrialState
 from src.runtime.hydra_launch import entry_command
 from src.search.study import open_study, search_space, trial_overrides
 from src.utils.errors import ConfigError
+from src.utils.file_lock import try_lock
 
 SEARCH_LOCK, ASK_LOCK = ".search.lock", ".ask.lock"  # in the sweep dir
 # Hydra overrides a worker gets from the sweep itself, not from the command that started the sweep
@@ -169,14 +170,10 @@ class OptunaSearch:
 
 def _hold_search_lock(sweep_dir: Path) -> int:
     """Lock the search's dir for as long as this process (and the workers it passes the lock to) lives."""
-    fd = os.open(sweep_dir / SEARCH_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    fd = try_lock(sweep_dir / SEARCH_LOCK)
+    if fd is None:
         raise ConfigError(f"another search is running in {sweep_dir} (it holds {SEARCH_LOCK}); fix: wait for it "
-                          "to end, or start this one elsewhere: hydra.sweeper.study_name=... (or hydra.sweep.dir=...)"
-                          ) from None
+                          "to end, or start this one elsewhere: hydra.sweeper.study_name=... (or hydra.sweep.dir=...)")
     return fd
 
 

@@ -30,7 +30,6 @@ even by SIGKILL.
 from __future__ import annotations
 
 import datetime as dt
-import fcntl
 import hashlib
 import os
 import secrets
@@ -38,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from src.runtime.launch_context import launch_context
+from src.utils.file_lock import try_lock
 from src.utils.run_status import ENDED, RUNNING, STATUS_FILE, mark_if_died, read_status
 
 LOCK_FILE = ".lock"
@@ -148,11 +148,8 @@ def _new_dir(root: Path, name: str) -> Path:
 
 def _lock(run: Path) -> bool:
     """Take ``run``'s lock for the life of this process; False if another process holds it."""
-    fd = os.open(run / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    fd = try_lock(run / LOCK_FILE)
+    if fd is None:
         return False
     _locks[str(run)] = fd
     return True
