@@ -28,6 +28,7 @@ import contextlib
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -108,11 +109,15 @@ def requeue_slurm_job() -> None:
 class SigtermSync:
     """This rank's stop-signal note, agreed with the other ranks every ``every_n_batches`` batches.
 
-    A picklable callable (ddp_spawn pickles the trainer): it replaces the loop's per-batch check.
+    A picklable callable (ddp_spawn pickles the trainer): it replaces the loop's per-batch check. Once the
+    ranks agree on a signal, ``on_signal(trainer, signum)`` runs (by default :func:`stop_for_preemption`;
+    ps, whose ranks share no process group, gives each role its own).
     """
 
-    def __init__(self, trainer: Trainer, every_n_batches: int) -> None:
+    def __init__(self, trainer: Trainer, every_n_batches: int,
+                 on_signal: Callable[[Trainer, int], None] | None = None) -> None:
         self.trainer, self.every_n_batches = trainer, every_n_batches
+        self.on_signal = on_signal or stop_for_preemption
         self.signum = 0  # the signal this rank received (0: none)
         self.calls = 0
 
@@ -131,7 +136,7 @@ class SigtermSync:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # SIGTERM (15) wins over SIGUSR1 (10)
             signum = int(flag.item())
         if signum:
-            stop_for_preemption(self.trainer, signum)
+            self.on_signal(self.trainer, signum)
 
 
 class SigtermNote:
@@ -161,9 +166,10 @@ def install_sigterm_agreement(trainer: Trainer, every_n_batches: int) -> Sigterm
     return install_stop_handlers(trainer, every_n_batches)
 
 
-def install_stop_handlers(trainer: Trainer, every_n_batches: int) -> SigtermSync:
+def install_stop_handlers(trainer: Trainer, every_n_batches: int,
+                          on_signal: Callable[[Trainer, int], None] | None = None) -> SigtermSync:
     """Handlers for SIGTERM (through Lightning's connector) and SIGUSR1; the loop's check is the returned sync."""
-    sync = SigtermSync(trainer, every_n_batches)
+    sync = SigtermSync(trainer, every_n_batches, on_signal)
     note = SigtermNote(sync)
     compat.replace_sigterm_check(trainer, sync, note)
     if threading.current_thread() is threading.main_thread():

@@ -33,6 +33,7 @@ from src.runtime.local_store import init_group_with_local_store
 from src.runtime.sigterm import check_interval, install_sigterm_agreement
 from src.runtime.watchdog import RankWatchdog
 from src.strategies.launchers import PreflightMultiprocessingLauncher, PreflightSubprocessLauncher
+from src.strategies.ps.layout import refuse_mixing
 from src.utils import lightning_compat as compat
 from src.utils.checkpoint_io import AtomicCheckpointIODefault
 from src.utils.errors import ConfigError, user_error_cause
@@ -58,6 +59,7 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, LightningDDP
 
     def __init__(self, *args: Any, sigterm_check_every_n_batches: int = 10, hang_timeout_s: float | None = 120.0,
                  timeout: timedelta | float | None = None, **kwargs: Any) -> None:
+        refuse_mixing(getattr(self, "strategy_name", "ddp"), kwargs)
         if timeout is None:
             timeout = COLLECTIVE_TIMEOUT
         elif not isinstance(timeout, timedelta):
