@@ -116,7 +116,9 @@ def main(cfg: DictConfig) -> float | None:
     """Hydra entry: returns the optimized metric so sweepers can read it."""
     with isolated_job():
         extras(cfg)
-        metric_dict, _ = train(cfg)
+        metric_dict, objects = train(cfg)
+        if not objects["trainer"].is_global_zero:  # sweepers read rank 0's value; ps workers validate nothing
+            return None
         return get_metric_value(metric_dict, cfg.get("optimized_metric"))
 
 

@@ -64,12 +64,16 @@ class ResumeRandomState(Callback):
     Saving gathers the states to every rank (all ranks build the checkpoint, rank 0 writes it). They
     are restored at ``on_train_start``: after the resumed run's set-up (sanity check, loader start-up)
     has drawn whatever it draws, and before the first batch, which is where the saved run stood.
+    A strategy whose runs cannot replay bit-exact (``random_state_per_rank = False``: ps, whose updates
+    depend on when pushes arrive) gets neither the gather nor the restore.
     """
 
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if not getattr(trainer.strategy, "random_state_per_rank", True):
+            return
         mine = capture_random_state(trainer)
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             states: list[Any] = [None] * dist.get_world_size()
@@ -80,6 +84,8 @@ class ResumeRandomState(Callback):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         states = checkpoint.get(CHECKPOINT_KEY)
+        if not getattr(trainer.strategy, "random_state_per_rank", True):
+            return
         if not states:
             log.warning("The checkpoint holds no random state: the resumed run will not match an uninterrupted one")
         elif len(states) != trainer.world_size:

@@ -153,11 +153,15 @@ def hand_over_to_launcher(signum: int) -> bool:
 class SigtermSync:
     """This rank's stop-signal note, agreed with the other ranks every ``every_n_batches`` batches.
 
-    A picklable callable (ddp_spawn pickles the trainer): it replaces the loop's per-batch check.
+    A picklable callable (ddp_spawn pickles the trainer): it replaces the loop's per-batch check. Once the
+    ranks agree on a signal, ``on_signal(trainer, signum)`` runs (by default :func:`stop_for_preemption`;
+    ps, whose ranks share no process group, gives each role its own).
     """
 
-    def __init__(self, trainer: Trainer, every_n_batches: int) -> None:
+    def __init__(self, trainer: Trainer, every_n_batches: int,
+                 on_signal: Callable[[Trainer, int], None] | None = None) -> None:
         self.trainer, self.every_n_batches = trainer, every_n_batches
+        self.on_signal = on_signal or stop_for_preemption
         self.signum = 0  # the signal this rank received (0: none)
         self.calls = 0
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # the last check's reduction
@@ -174,7 +178,7 @@ class SigtermSync:
         multi = self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
         signum = self._agree() if multi else self.signum
         if signum:
-            stop_for_preemption(self.trainer, signum)
+            self.on_signal(self.trainer, signum)
 
     def _agree(self) -> int:
         """The largest note of any rank at the previous check, and this check's notes sent to be reduced.
@@ -232,9 +236,10 @@ def install_sigterm_agreement(trainer: Trainer, every_n_batches: int) -> Sigterm
     return install_stop_handlers(trainer, every_n_batches)
 
 
-def install_stop_handlers(trainer: Trainer, every_n_batches: int) -> SigtermSync:
+def install_stop_handlers(trainer: Trainer, every_n_batches: int,
+                          on_signal: Callable[[Trainer, int], None] | None = None) -> SigtermSync:
     """Handlers for SIGTERM (through Lightning's connector) and SIGUSR1; the loop's check is the returned sync."""
-    sync = SigtermSync(trainer, every_n_batches)
+    sync = SigtermSync(trainer, every_n_batches, on_signal)
     note = SigtermNote(sync)
     compat.replace_sigterm_check(trainer, sync, note)
     if threading.current_thread() is threading.main_thread():

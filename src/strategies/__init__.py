@@ -1,8 +1,8 @@
 """The project's Lightning strategies: ``single_device`` and ``ddp`` (Lightning's, plus the project's fixes),
-``fsdp`` (FSDP2 with the same fixes), ``dp`` and ``pipeline``; ``launchers`` is how the multi-process ones
-start their ranks, ``process_life`` what ddp and fsdp share.
+``fsdp`` (FSDP2 with the same fixes), ``dp``, ``pipeline`` and ``ps`` (parameter servers); ``launchers`` is how
+the multi-process ones start their ranks, ``process_life`` what ddp and fsdp share.
 
-Importing this package registers ``dp`` and ``pipeline`` with Lightning's ``StrategyRegistry``, so
+Importing this package registers ``dp``, ``pipeline`` and ``ps`` with Lightning's ``StrategyRegistry``, so
 ``Trainer(strategy="dp")`` (and ``trainer.strategy=dp`` in configs) resolves them. ``fsdp`` is not
 registered: Lightning's registry keeps that name for its own FSDP1 strategy; use ``trainer=fsdp``.
 """
@@ -14,9 +14,11 @@ from src.strategies.dp import DataParallelStrategy
 from src.strategies.fsdp import FSDPStrategy
 from src.strategies.pipeline.strategy import PipelineStrategy
 from src.strategies.single_device import SingleDeviceStrategy
+from src.strategies.ps.strategy import ParameterServerStrategy
 
-for _strategy in (DataParallelStrategy, PipelineStrategy):
+for _strategy in (DataParallelStrategy, PipelineStrategy, ParameterServerStrategy):
     StrategyRegistry.register(_strategy.strategy_name, _strategy, description=_strategy.__doc__.splitlines()[0],
                               override=True)  # idempotent
 
-__all__ = ["DDPStrategy", "DataParallelStrategy", "FSDPStrategy", "PipelineStrategy", "SingleDeviceStrategy"]
+__all__ = ["DDPStrategy", "DataParallelStrategy", "FSDPStrategy", "ParameterServerStrategy", "PipelineStrategy",
+           "SingleDeviceStrategy"]

@@ -33,6 +33,7 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from src.runtime.sigterm import install_sigterm_agreement
 from src.strategies.launchers import PreflightMultiprocessingLauncher, PreflightSubprocessLauncher
 from src.strategies.process_life import ProcessLife, collective_timeout
+from src.strategies.ps.layout import refuse_mixing
 from src.utils import lightning_compat as compat
 from src.utils.checkpoint_io import AtomicCheckpointIODefault
 from src.utils.errors import ConfigError
@@ -53,6 +54,7 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife,
 
     def __init__(self, *args: Any, sigterm_check_every_n_batches: int = 10, hang_timeout_s: float | None = 120.0,
                  timeout: timedelta | float | None = None, **kwargs: Any) -> None:
+        refuse_mixing(getattr(self, "strategy_name", "ddp"), kwargs)
         timeout = collective_timeout(timeout)
         super().__init__(*args, timeout=timeout, **kwargs)
         self.init_process_life(sigterm_check_every_n_batches, hang_timeout_s, timeout,

@@ -99,6 +99,24 @@ class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
             return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
+class PSSubprocessLauncher(PreflightSubprocessLauncher):
+    """The popen launcher of ``trainer=ps``: Lightning's launch without its child watcher.
+
+    Lightning's watcher SIGKILLs every rank when one child exits non-zero; under ps a worker may die and
+    the job goes on, and a server's failure is seen and named by the ranks that talk to it
+    (:mod:`src.strategies.ps`).
+    """
+
+    def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
+        _preflight_launch(trainer, args, fresh_store=False)
+        with compat.hydra_child_command(child_command), _local_store_for_this_launch():
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+            if not self.cluster_environment.creates_processes_externally:
+                compat.start_child_ranks(self)
+            compat.set_num_threads_if_needed(self.num_processes)
+            return function(*args, **kwargs)
+
+
 # -- the command of a child rank under Hydra -------------------------------------------------------------
 # Hydra overrides that describe the parent's sweep, not the job a child must join.
 _PARENT_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.job.", "hydra.output_subdir",

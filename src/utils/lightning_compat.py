@@ -18,6 +18,7 @@ from typing import Any
 import lightning
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities import distributed as fabric_distributed
 from lightning.fabric.utilities import optimizer as fabric_optimizer
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loops import training_epoch_loop
@@ -142,6 +143,13 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: torch, "_C", "a stuck rank's flight-recorder record"),
     (lambda: torch._C, "_distributed_c10d", "a stuck rank's flight-recorder record"),
     (lambda: torch._C._distributed_c10d, "_dump_fr_trace", "a stuck rank's flight-recorder record"),
+    (lambda: fabric_distributed, "_set_num_threads_if_needed", "the ps launcher"),
+    (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_call_children_scripts",
+     "the ps launcher (Lightning's launch without its child watcher)"),
+    (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_set_num_threads_if_needed",
+     "the ps launcher (Lightning's launch without its child watcher)"),
+    (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_launch_process_observer",
+     "the ps launcher (Lightning's launch without its child watcher)"),
 )
 
 
@@ -166,6 +174,16 @@ def hydra_child_command(command: Callable[[int], tuple[list[str], str]]) -> Iter
         yield
     finally:
         setattr(subprocess_script, _HYDRA_CHILD_COMMAND, previous)
+
+
+def start_child_ranks(launcher: SubprocessScriptLauncher) -> None:
+    """Lightning's popen launcher starts this node's other ranks (re-running the command), and nothing else."""
+    launcher._call_children_scripts()
+
+
+def set_num_threads_if_needed(num_processes: int) -> None:
+    """Lightning's choice of torch threads per process when it starts ``num_processes`` on one machine."""
+    fabric_distributed._set_num_threads_if_needed(num_processes=num_processes)
 
 
 class BuildsLauncher:

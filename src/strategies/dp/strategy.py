@@ -40,6 +40,7 @@ from src.strategies.dp.shards import (
     shard_sizes,
     split_batch,
 )
+from src.strategies.ps.layout import refuse_mixing
 from src.utils import lightning_compat as compat
 from src.utils.checkpoint_io import AtomicCheckpointIODefault
 from src.utils.errors import ConfigError
@@ -62,7 +63,11 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any | None = None,
         precision_plugin: pl.plugins.Precision | None = None,
+        **unknown: Any,
     ) -> None:
+        refuse_mixing("dp", unknown)
+        if unknown:
+            raise TypeError(f"DataParallelStrategy got unexpected arguments {sorted(unknown)}")
         self._num_nodes = 1
         self._runner: ShardRunner | None = None
         super().__init__(

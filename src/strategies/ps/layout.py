@@ -1,0 +1,73 @@
+"""Who serves and who trains, and which server holds which parameter.
+
+Global ranks ``0 .. num_servers-1`` are servers, the rest are workers. Rank 0 is the *chief*: a server
+that also evaluates, logs and writes checkpoints. It is the process a plain ``python src/train.py``
+starts (and, with torchrun or srun, global rank 0), so the process whose loss ends the job anyway is
+the one a job cannot do without.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+CHIEF = 0
+
+
+@dataclass(frozen=True)
+class Roles:
+    """``world_size`` processes: the first ``num_servers`` serve, the others are workers."""
+
+    world_size: int
+    num_servers: int
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size - self.num_servers
+
+    def is_server(self, rank: int) -> bool:
+        return rank < self.num_servers
+
+    def worker_index(self, rank: int) -> int:
+        """A worker's index among the workers (its data shard), from its global rank."""
+        return rank - self.num_servers
+
+    def worker_rank(self, index: int) -> int:
+        return index + self.num_servers
+
+
+def shard_by_size(sizes: Sequence[int], num_servers: int) -> list[int]:
+    """The server of each parameter: the largest parameters first, each to the server holding the fewest
+    elements so far (ties: the lower server). Whole tensors, so a server applies its updates alone.
+
+    TensorFlow's ``GreedyLoadBalancingStrategy`` places variables the same way, in creation order;
+    taking the largest first keeps one big matrix from landing on a server that is already full.
+    """
+    load = [0] * num_servers
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        server = min(range(num_servers), key=lambda s: (load[s], s))
+        owner[i] = server
+        load[server] += sizes[i]
+    return owner
+
+
+# -- ps and the strategies it does not combine with ------------------------------------------------
+PS_OPTIONS = ("num_servers", "max_staleness", "server_device")
+PIPELINE_OPTIONS = ("stages", "n_microbatches", "schedule", "stages_per_rank", "dp_size", "balance")
+
+
+def refuse_mixing(strategy: str, options: dict) -> None:
+    """One line when a strategy's config carries another's options: ps with pipeline (or dp, ddp) settings.
+
+    A ps worker is one process on one device: it is not split into pipeline stages or dp threads (each
+    would need pushes of its own), and a DDP group would tie the workers back together.
+    """
+    from src.utils.errors import ConfigError  # here: ddp.py imports this module while src.utils loads
+
+    foreign, other = (PIPELINE_OPTIONS, "pipeline") if strategy == "ps" else (PS_OPTIONS, "ps")
+    found = [k for k in foreign if k in options]
+    if found:
+        raise ConfigError(f"trainer.strategy.{found[0]} is a trainer={other} setting, but this run uses trainer="
+                          f"{strategy}: ps does not combine with pipeline, dp or ddp (a ps worker is one process on "
+                          f"one device); fix: remove trainer.strategy.{found[0]}, or use trainer={other} alone")
