@@ -13,8 +13,8 @@ from src.strategies.ddp import DDPStrategy
 from src.strategies.dp import DataParallelStrategy
 from src.strategies.fsdp import FSDPStrategy
 from src.strategies.pipeline.strategy import PipelineStrategy
-from src.strategies.single_device import SingleDeviceStrategy
 from src.strategies.ps.strategy import ParameterServerStrategy
+from src.strategies.single_device import SingleDeviceStrategy
 
 for _strategy in (DataParallelStrategy, PipelineStrategy, ParameterServerStrategy):
     StrategyRegistry.register(_strategy.strategy_name, _strategy, description=_strategy.__doc__.splitlines()[0],
