@@ -5,7 +5,7 @@
     python src/export.py ckpt_path=... data=cifar10 model=resnet18 output=resnet18.onnx
 
 Checkpoints of every strategy (single device, dp, ddp, pipeline) hold the full, unsplit model, so each
-exports the same way. The model is traced in eval mode with a batch of the data config's input shape;
+exports the same way; an fsdp folder of shards is first read whole into this process. The model is traced in eval mode with a batch of the data config's input shape;
 the ONNX file keeps the batch dimension dynamic. The export is checked against the checkpoint's model
 on a batch of another size before it is written.
 """

@@ -274,6 +274,18 @@ def test_eval_in_one_process_gives_the_test_metrics_of_4_ranks(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_sharded_checkpoint_exports_to_onnx(runs, tmp_path):
+    """``src/export.py`` consolidates the 4 ranks' folder of shards into one model, then exports it; the ONNX file
+    gives that model's outputs within 1e-4 (checked by export.py, which refuses to write a file that differs)."""
+    run = runs(4, *FSDP)[0]
+    output = tmp_path / "model.onnx"
+    proc = run_entry("export", f"ckpt_path={run['best']}", f"output={output}", "extras.print_config=false",
+                     f"hydra.run.dir={tmp_path}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert output.is_file() and "it matches the model within" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_4_ranks_resumes_on_2(runs, tmp_path):
     """Proof 4c: ``ckpt_path=<4 ranks' last.ckpt>`` with ``trainer.devices=2`` restores weights, optimizer and loops
     and trains on from the saved step."""
