@@ -1,11 +1,13 @@
 """``trainer=ps`` with real processes over gloo on loopback: synchronous mode equals synchronous SGD and DDP, a
-slow worker does not set the pace, every launch form runs, and bad input fails in one line before any rank starts.
+slow worker does not set the pace, async reaches
+DDP's test accuracy, every launch form runs, and bad input fails in one line before any rank starts.
 
 Faults (a worker killed, a server killed) are in ``tests/test_ps_faults.py``.
 """
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
 import os
 import re
@@ -261,3 +263,26 @@ def test_eval_py_reproduces_the_ps_test_metric(tmp_path):
         return line.split()[-2]
 
     assert test_loss(evaluated.stdout) == test_loss(proc.stdout)
+
+
+# -- accuracy: async costs no more than a point against DDP on the same samples ----------------------------------
+@pytest.mark.slow
+def test_async_ps_reaches_ddps_test_accuracy_on_the_same_samples(tmp_path):
+    """The default model and data (Fashion-MNIST MLP, Adam, real data): 1 server + 3 async workers against DDP on 3
+    ranks, both two epochs of a 192-sample global batch (64 per worker or rank), so the same samples and the same
+    number of global steps. Test accuracy ends within 1 point. (At one epoch async is still a little behind:
+    docs/parameter-server.md.)"""
+    common = ["trainer.accelerator=cpu", "data.batch_size=192", "trainer.max_epochs=2", "++trainer.limit_val_batches=5",
+              "extras.print_config=false", "callbacks.metric_plot=null", "logger=csv"]
+    train_run(tmp_path / "ps", "trainer=ps", "trainer.devices=4", *common)
+    train_run(tmp_path / "ddp", "trainer=ddp", "trainer.devices=3", *common)
+    steps = [torch.load(tmp_path / r / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+             for r in ("ps", "ddp")]
+    assert steps[0] == steps[1], steps
+    ps, ddp = (final_test_accuracy(tmp_path / r) for r in ("ps", "ddp"))
+    assert min(ps, ddp) > 0.75 and abs(ps - ddp) <= 0.01, (ps, ddp)
+
+
+def final_test_accuracy(run_dir: Path) -> float:
+    (metrics,) = run_dir.rglob("metrics.csv")
+    return float([row for row in csv.DictReader(metrics.open()) if row.get("test/acc")][-1]["test/acc"])
