@@ -1,8 +1,8 @@
 """``trainer=ps`` with real processes over gloo on loopback: synchronous mode equals synchronous SGD and DDP, a
-slow worker does not set the pace, async reaches
-DDP's test accuracy, every launch form runs, and bad input fails in one line before any rank starts.
+slow worker does not set the pace, async reaches DDP's test accuracy, every launch form runs, and bad input fails
+in one line before any rank starts.
 
-Faults (a worker killed, a server killed) are in ``tests/test_ps_faults.py``.
+Faults (a worker killed, a server killed, a worker started again) are in ``tests/test_ps_faults.py``.
 """
 
 from __future__ import annotations
