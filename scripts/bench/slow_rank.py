@@ -6,12 +6,14 @@ The delay (a sleep before every batch) dominates the step time, so rates compare
     python src/train.py trainer=ps trainer.devices=4 +callbacks.slow._target_=scripts.bench.slow_rank.SlowRank \\
         +callbacks.slow.delay_s=0.02 +callbacks.slow.slow_ranks=[3]
 
-Every rank writes ``step_times/rank<r>.json`` (its step end times, ``time.monotonic``) into the run directory.
+Every rank keeps ``step_times/rank<r>.json`` (its step end times, ``time.monotonic``) in the run directory,
+rewritten after each step: under ``trainer=ps`` the chief may end the job while a worker is still in a step.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,11 +37,11 @@ class SlowRank(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
         self.ends.append(time.monotonic())
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         out = Path(trainer.default_root_dir) / "step_times"
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.ends))
+        tmp = out / f".rank{trainer.global_rank}.json.tmp"
+        tmp.write_text(json.dumps(self.ends))
+        os.replace(tmp, out / f"rank{trainer.global_rank}.json")  # a reader never sees half a file
 
 
 def step_rate(ends: Sequence[float], skip: int = 3) -> float:
