@@ -237,11 +237,12 @@ def test_srun_tasks(tmp_path):
 
 @pytest.mark.slow
 def test_two_nodes_over_loopback(tmp_path):
-    """NODE_RANK 0 and 1, two processes each: node 0 holds the server and a worker, node 1 two workers."""
+    """NODE_RANK 0 and 1, two processes each: node 0 holds the server and a worker, node 1 two workers (a global
+    batch of 48: 16 per worker)."""
     port = str(find_free_network_port())
     envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)} for node in (0, 1)]
     launch_all(envs, lambda node: ["trainer=ps", "trainer.devices=2", "trainer.num_nodes=2", *TOY,
-                                   "++trainer.limit_train_batches=6", f"hydra.run.dir={tmp_path}/node{node}"])
+                                   "data.batch_size=48", "++trainer.limit_train_batches=6", f"hydra.run.dir={tmp_path}/node{node}"])
     assert joined(tmp_path / "node0") == 3
     assert (tmp_path / "node0" / "checkpoints" / "last.ckpt").is_file()
     assert not (tmp_path / "node1" / "checkpoints").exists()  # only the chief writes
