@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, TensorDataset
 from src.collectives.runtime import comm_device
 
 __all__ = ["DataPartitioner", "Partition", "average_gradients", "compare_with_ddp", "partition_dataset",
-           "train_sync_sgd"]
+           "shard_batch", "sync_sgd_weights", "toy_problem", "train_sync_sgd"]
 
 
 class Partition(Dataset):
@@ -79,7 +79,7 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) 
         grad.div_(world_size)
 
 
-def _toy_problem(seed: int, samples: int = 256, features: int = 10) -> tuple[TensorDataset, nn.Module]:
+def toy_problem(seed: int, samples: int = 256, features: int = 10) -> tuple[TensorDataset, nn.Module]:
     """A regression data set and a small MLP, identical on every rank for the same seed."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, features, generator=gen)
@@ -89,7 +89,7 @@ def _toy_problem(seed: int, samples: int = 256, features: int = 10) -> tuple[Ten
     return TensorDataset(x, y), model
 
 
-def _batch(shard: Partition, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_batch(shard: Partition, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     items = [shard[(step * batch_size + j) % len(shard)] for j in range(batch_size)]
     return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
@@ -97,7 +97,7 @@ def _batch(shard: Partition, step: int, batch_size: int) -> tuple[torch.Tensor, 
 def train_sync_sgd(epochs: int = 3, batch_size: int = 16, lr: float = 0.05, seed: int = 0) -> list[float]:
     """Train the toy model with hand-written synchronous SGD; return the mean loss per epoch over all ranks."""
     device = comm_device()
-    data, model = _toy_problem(seed)
+    data, model = toy_problem(seed)
     model = model.to(device)
     shard = partition_dataset(data, seed=seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -105,7 +105,7 @@ def train_sync_sgd(epochs: int = 3, batch_size: int = 16, lr: float = 0.05, seed
     for _ in range(epochs):
         total = torch.zeros(2, device=device)
         for step in range(max(1, len(shard) // batch_size)):
-            x, y = (t.to(device) for t in _batch(shard, step, batch_size))
+            x, y = (t.to(device) for t in shard_batch(shard, step, batch_size))
             opt.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -117,6 +117,23 @@ def train_sync_sgd(epochs: int = 3, batch_size: int = 16, lr: float = 0.05, seed
     return losses
 
 
+def sync_sgd_weights(steps: int = 8, batch_size: int = 16, lr: float = 0.05, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The toy model's weights after ``steps`` steps of hand-written synchronous SGD, one batch of each rank's
+    shard per step: the reference that ``trainer=ps`` with ``max_staleness=0`` is checked against."""
+    device = comm_device()
+    data, model = toy_problem(seed)
+    model = model.to(device)
+    shard = partition_dataset(data, seed=seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = (t.to(device) for t in shard_batch(shard, step, batch_size))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        average_gradients(model)
+        opt.step()
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
 def compare_with_ddp(steps: int = 3, batch_size: int = 8, lr: float = 0.1, seed: int = 0) -> dict[str, float]:
     """Run hand-written sync SGD and DDP side by side on the same per-rank batches.
 
@@ -126,7 +143,7 @@ def compare_with_ddp(steps: int = 3, batch_size: int = 8, lr: float = 0.1, seed:
     from torch.nn.parallel import DistributedDataParallel
 
     device = comm_device()
-    data, model = _toy_problem(seed)
+    data, model = toy_problem(seed)
     model = model.to(device)
     ddp = DistributedDataParallel(copy.deepcopy(model), device_ids=[device] if device.type == "cuda" else None)
     shard = partition_dataset(data, seed=seed)
@@ -134,7 +151,7 @@ def compare_with_ddp(steps: int = 3, batch_size: int = 8, lr: float = 0.1, seed:
     opt_ddp = torch.optim.SGD(ddp.parameters(), lr=lr)
     grad_diff = 0.0
     for step in range(steps):
-        x, y = (t.to(device) for t in _batch(shard, step, batch_size))
+        x, y = (t.to(device) for t in shard_batch(shard, step, batch_size))
         for net, opt in ((model, opt_hand), (ddp, opt_ddp)):
             opt.zero_grad()
             nn.functional.mse_loss(net(x), y).backward()

@@ -45,11 +45,12 @@ class ServerClient:
         shards: for each server, the module parameters it holds (model order).
         buffers: the module's buffers (kept by server 0).
         timeout: how long a link waits for an answer; longer than any server's legitimate wait.
+        start_timeout: how long joining may wait (at the start of the job, for every planned worker).
     """
 
     def __init__(self, jobs: JobStore, worker: int, shards: Sequence[Sequence[nn.Parameter]],
-                 buffers: Sequence[Tensor], timeout: dt.timedelta) -> None:
-        self.jobs, self.worker, self.timeout = jobs, worker, timeout
+                 buffers: Sequence[Tensor], timeout: dt.timedelta, start_timeout: dt.timedelta) -> None:
+        self.jobs, self.worker, self.timeout, self.start_timeout = jobs, worker, timeout, start_timeout
         self.shards, self.buffers = [list(s) for s in shards], list(buffers)
         pinned = any(p.is_cuda for s in self.shards for p in s) and torch.cuda.is_available()
 
@@ -92,7 +93,7 @@ class ServerClient:
                 self.links.append(Link(self.jobs.store, key, 1, self.timeout))
             except Exception as err:
                 raise ServerLost(server, err) from err
-        self._exchange(header(JOIN, self.worker, self.incarnation), [[] for _ in self.shards])
+        self._exchange(header(JOIN, self.worker, self.incarnation), [[] for _ in self.shards], self.start_timeout)
 
     def push_pull(self, loss_sum: float, samples: int) -> None:
         """Send every server its gradients (and server 0 the buffers), then take the parameters they answer with."""
@@ -106,7 +107,8 @@ class ServerClient:
             self.leave()
             self.join()
 
-    def _exchange(self, heads: Tensor | list[Tensor], payloads: list[list[Tensor]]) -> int:
+    def _exchange(self, heads: Tensor | list[Tensor], payloads: list[list[Tensor]],
+                  timeout: dt.timedelta | None = None) -> int:
         """Send each server its header and payload, all at once; receive every answer; worst status."""
         if isinstance(heads, Tensor):
             heads = [heads] * len(self.links)
@@ -122,7 +124,7 @@ class ServerClient:
             try:
                 for work in posted:
                     work.wait()
-                self.links[server].recv(reply, *self._received(server))
+                self.links[server].recv(reply, *self._received(server), timeout=timeout)
             except Exception as err:
                 raise ServerLost(server, err) from err
             status, self.version[server] = int(reply[0]), int(reply[1])

@@ -53,10 +53,11 @@ class Link:
         """Post one send per tensor; returns the works to wait on (a gloo send completes once the peer receives)."""
         return [self.group.send([t], self.peer, 0) for t in tensors]
 
-    def recv(self, *tensors: Tensor) -> None:
-        """Receive into ``tensors``, in order."""
+    def recv(self, *tensors: Tensor, timeout: dt.timedelta | None = None) -> None:
+        """Receive into ``tensors``, in order; ``timeout`` replaces the link's for this message."""
         for t in tensors:
-            self.group.recv([t], self.peer, 0).wait()
+            work = self.group.recv([t], self.peer, 0)
+            work.wait(timeout) if timeout is not None else work.wait()
 
     def send_object(self, obj: Any) -> None:
         """``obj`` (tensors and plain values) as ``torch.save`` bytes: their length, then the bytes."""

@@ -34,8 +34,10 @@ def why_it_left(err: BaseException, timeout: dt.timedelta) -> str:
 class ServerLinks:
     """The threads of server ``index``: the join listener (which also reads the job's keys) and the links."""
 
-    def __init__(self, server: ParameterServer, jobs: JobStore, index: int, timeout: dt.timedelta) -> None:
+    def __init__(self, server: ParameterServer, jobs: JobStore, index: int, timeout: dt.timedelta,
+                 start_timeout: dt.timedelta) -> None:
         self.server, self.jobs, self.index, self.timeout = server, jobs, index, timeout
+        self.start_timeout = start_timeout  # how long the first workers wait for the others to join
         self.stopping = threading.Event()
         self.done: str | None = None  # the chief's end of training (JobStore.finish)
         self.stop_signal = 0  # a server asked the job to stop (JobStore.request_stop)
@@ -94,7 +96,7 @@ class ServerLinks:
                 if kind == LEAVE:
                     break
                 if kind == JOIN:
-                    status, clock = OK, server.join(worker, incarnation, self.timeout.total_seconds()).clock
+                    status, clock = OK, server.join(worker, incarnation, self.start_timeout.total_seconds()).clock
                 elif kind == PUSH:
                     link.recv(grad, *([buffers_in] if with_buffers else []))
                     status = server.push(worker, incarnation, grad, buffers_in if with_buffers else None,

@@ -115,6 +115,7 @@ class ParameterServer:
         self.sync = max_staleness == 0
         self.cond = threading.Condition()
         self.members: dict[int, Member] = {}
+        self.seen: set[int] = set()  # workers that have joined once
         self.opened = False
         self.started = False  # every planned worker joined once (or the start timed out): joins no longer wait
         self.closed = False
@@ -161,7 +162,8 @@ class ParameterServer:
                 raise TimeoutError("the server did not open in time")
             live = [m.clock for m in self.members.values()]
             clock = self.applied if self.sync else (min(live) if live else self.last_clock)
-            rejoin = worker in self.members
+            rejoin = worker in self.seen
+            self.seen.add(worker)
             member = self.members[worker] = Member(incarnation, clock)
             self.empty_since = None
             self.cond.notify_all()
@@ -206,7 +208,7 @@ class ParameterServer:
                 member.clock += 1
                 self._complete_round()
             else:
-                self.grad.copy_(grad).mul_(1.0 / self.num_workers)
+                self.grad.copy_(grad)
                 if buffers is not None:
                     self.buffer_flat.copy_(buffers)
                 self._step()
@@ -236,6 +238,8 @@ class ParameterServer:
     def _step(self) -> None:
         for live, scheduled in zip(self.optimizer.param_groups, self.schedule.param_groups, strict=True):
             live.update({k: v for k, v in scheduled.items() if k not in _GROUP_SKIP})
+            if not self.sync:  # a push is 1/W of the global batch: a 1/W step, for SGD and Adam alike
+                live["lr"] = scheduled["lr"] / self.num_workers
         self.optimizer.step()
         self.applied += 1
 

@@ -214,7 +214,7 @@ class ParameterServerStrategy(DDPStrategy):
         reset_seed()
         self.set_world_ranks()
         if self.jobs is None:
-            self.jobs = JobStore(self._rendezvous_store(), self.link_timeout)
+            self.jobs = JobStore(self._rendezvous_store(), self.collective_timeout)
             self.jobs.publish_self(self.global_rank)
             release_before_destroy(self._release)
             destroy_default_group_at_exit()
@@ -225,11 +225,11 @@ class ParameterServerStrategy(DDPStrategy):
         path = os.environ.get(STORE_ENV)
         if path and self.num_nodes == 1:
             store = dist.FileStore(path, -1)  # -1: workers come and go, so no count of users may delete it
-            store.set_timeout(self.link_timeout)
+            store.set_timeout(self.collective_timeout)
             return store
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
         os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
-        store, _, _ = next(dist.rendezvous("env://", self.global_rank, self.world_size, timeout=self.link_timeout))
+        store, _, _ = next(dist.rendezvous("env://", self.global_rank, self.world_size, timeout=self.collective_timeout))
         return store
 
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
@@ -281,11 +281,11 @@ class ParameterServerStrategy(DDPStrategy):
             self.server = ParameterServer(self._shards[self.global_rank], self.optimizers[0],
                                           buffers if self.is_chief else [], roles.num_workers, self.max_staleness,
                                           self.root_device, log=self._log_member)
-            self.links = ServerLinks(self.server, self.jobs, self.global_rank, self.link_timeout)
+            self.links = ServerLinks(self.server, self.jobs, self.global_rank, self.link_timeout, self.collective_timeout)
             self.links.start()
         else:
             self.client = ServerClient(self.jobs, roles.worker_index(self.global_rank), self._shards, buffers,
-                                       self.link_timeout)
+                                       self.link_timeout, self.collective_timeout)
             self.optimizers = [PushPullOptimizer(self.optimizers[0], self.client, lambda: self._batch_size)]
             self.lr_scheduler_configs = []  # the servers keep the schedule
         self._stop = install_stop_handlers(trainer, self.sigterm_check_every_n_batches, self._on_stop_signal)
