@@ -117,7 +117,8 @@ def main(cfg: DictConfig) -> float | None:
     with isolated_job():
         extras(cfg)
         metric_dict, objects = train(cfg)
-        if not objects["trainer"].is_global_zero:  # sweepers read rank 0's value; ps workers validate nothing
+        trainer = objects.get("trainer")  # none when the run had already finished
+        if trainer is not None and not trainer.is_global_zero:  # sweepers read rank 0's value; ps workers validate nothing
             return None
         return get_metric_value(metric_dict, cfg.get("optimized_metric"))
 

@@ -74,7 +74,7 @@ def kill_twice_then_finish(log_dir: Path) -> Path:
     while True:
         proc = train(log_dir)
         if kills < 2 and wait_for_checkpoint(proc, log_dir):
-            time.sleep(rng.uniform(0.0, 1.5))
+            time.sleep(rng.uniform(0.0, 0.5))  # soon after a save: a later kill could miss a short resumed run
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=60)

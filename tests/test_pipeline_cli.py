@@ -80,7 +80,8 @@ def test_pipeline_resumes_from_its_checkpoint(pipeline_run, tmp_path):
     _ok(proc)
     assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
     resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert saved["epoch"] == 0 and resumed["epoch"] == 2  # last.ckpt is also written at the end of training
+    # last.ckpt is also written at the end of training, after the epoch counter moved on: 1 epoch, then 2
+    assert saved["epoch"] == 1 and resumed["epoch"] == 2
     assert resumed["global_step"] == saved["global_step"] + 10
 
 
@@ -92,8 +93,9 @@ def test_pipeline_with_spawned_ranks(tmp_path):
                      "+trainer.limit_train_batches=4", "+trainer.limit_val_batches=2", "+trainer.limit_test_batches=2",
                      f"hydra.run.dir={tmp_path}", timeout=600)
     _ok(proc)
-    # Each spawn launch (fit, then test) is a fresh process whose CSV logger takes the next free version.
-    with open(tmp_path / "csv" / "version_1" / "metrics.csv") as file:
+    # Each spawn launch (fit, then test) is a fresh process; the run's CSV logger continues its one version.
+    assert [p.name for p in (tmp_path / "csv").iterdir()] == ["version_0"]
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as file:
         test_acc = [float(row["test/acc"]) for row in csv.DictReader(file) if row.get("test/acc")]
     assert len(test_acc) == 1 and 0.0 < test_acc[0] <= 1.0
 

@@ -32,6 +32,7 @@ SKIP = {
     "srun ": "needs a SLURM cluster; tests/test_ddp.py::test_slurm_environment_detected simulates one",
     "num_nodes=2": "needs a second machine (two nodes); tests/test_ddp.py simulates two nodes over loopback",
     "--accelerator gpu": "needs a CUDA GPU; tests/test_bench.py checks the option reaches every contender",
+    "accelerator=gpu": "needs a CUDA GPU; the same strategy's CPU form runs in its own tests, GPU paths in tests -m gpu",
 }
 # Whole command -> why it is only dry-run (`make -n`: the target exists and expands).
 DRY_RUN = {
@@ -102,6 +103,8 @@ def _run_overrides(command: str, logs: Path, request) -> list[str]:
         args.insert(0, f"trainer.max_epochs={2 if 'ckpt_path=' in command else 1}")
     if re.search(r"\b(data|experiment)=cifar10", command) and "data.data_dir=" not in command:
         args += [f"data.data_dir={SYNTHETIC_CIFAR10}", "data.verify_checksums=false"]  # no download here
+    if "hparams_search=fashion_mnist_optuna" in command:
+        args.append("hydra.sweeper.n_trials=2")  # the last value wins: two trials show the search runs
     if "data=mnist" in command:
         args.append(f"data.data_dir={request.getfixturevalue('mnist_format_dir')}")  # Fashion-MNIST, MNIST's format
     return args
