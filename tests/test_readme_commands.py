@@ -31,7 +31,6 @@ COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python src/(?:train|eval|export)\.py
 SKIP = {
     "srun ": "needs a SLURM cluster; tests/test_ddp.py::test_slurm_environment_detected simulates one",
     "num_nodes=2": "needs a second machine (two nodes); tests/test_ddp.py simulates two nodes over loopback",
-    "--accelerator gpu": "needs a CUDA GPU; tests/test_bench.py checks the option reaches every contender",
     "accelerator=gpu": "needs a CUDA GPU; the same strategy's CPU form runs in its own tests, GPU paths in tests -m gpu",
 }
 # Whole command -> why it is only dry-run (`make -n`: the target exists and expands).
