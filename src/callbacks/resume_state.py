@@ -74,13 +74,7 @@ class ResumeRandomState(Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if not getattr(trainer.strategy, "random_state_per_rank", True):
             return
-        mine = capture_random_state(trainer)
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            states: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(states, mine)
-        else:
-            states = [mine]
-        checkpoint[CHECKPOINT_KEY] = states
+        checkpoint[CHECKPOINT_KEY] = gather_per_rank(trainer, capture_random_state(trainer))
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         states = checkpoint.get(CHECKPOINT_KEY)
@@ -98,6 +92,15 @@ class ResumeRandomState(Callback):
         if self._pending is not None:
             restore_random_state(trainer, self._pending)
             self._pending = None
+
+
+def gather_per_rank(trainer: L.Trainer, mine: Any) -> list[Any]:
+    """Every rank's ``mine``, indexed by global rank, on every rank (all ranks build the checkpoint)."""
+    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, mine)
+        return states
+    return [mine]
 
 
 METRICS_KEY = "running_metrics_per_rank"
@@ -125,12 +128,7 @@ class ResumeMetricState(Callback):
         if not metrics:
             return
         mine = {name: {k: _to_cpu(v) for k, v in m.metric_state.items()} for name, m in metrics.items()}
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            states: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(states, mine)
-        else:
-            states = [mine]
-        checkpoint[METRICS_KEY] = states
+        checkpoint[METRICS_KEY] = gather_per_rank(trainer, mine)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         states = checkpoint.get(METRICS_KEY)
