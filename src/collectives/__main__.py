@@ -18,14 +18,19 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from src.runtime import prompt_exit
 
-from src.collectives.launch import RankFailed, launch, plan_from_config
-from src.collectives.runtime import CollectiveError
-from src.utils.errors import UserError
-from src.utils.resolvers import register_resolvers
+if __name__ == "__main__":
+    prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from src.collectives.launch import RankFailed, launch, plan_from_config  # noqa: E402
+from src.collectives.runtime import CollectiveError  # noqa: E402
+from src.utils.errors import UserError  # noqa: E402
+from src.utils.resolvers import register_resolvers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
@@ -54,4 +59,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with prompt_exit.exit_code_recorded():  # then end without the interpreter's teardown (torchrun ranks too)
+        main()

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from src.collectives.modes import run_mode, validate_options
 from src.collectives.runtime import cuda_index
 from src.runtime.launch_context import SRUN, SUBMITIT, TORCHRUN, launch_context
+from src.runtime.prompt_exit import exit_now
 from src.utils.errors import ConfigError
 
 MODES = ("blocking", "non_blocking", "all_reduce", "check", "bench", "ring", "sgd")
@@ -143,6 +144,9 @@ def _spawned(local_rank: int, plan: LaunchPlan) -> None:
         # Like torchrun: one intra-op thread per rank, or N ranks' thread pools fight over the cores.
         torch.set_num_threads(1)
     run_rank(local_rank, plan, local_rank, plan.world_size)
+    # Done and reported: end without the interpreter's teardown, where gloo can abort a finished rank
+    # (src/runtime/prompt_exit.py). An exception above still reaches mp.spawn, which reports it.
+    exit_now(0)
 
 
 def launch(plan: LaunchPlan) -> None:

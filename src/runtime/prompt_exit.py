@@ -18,6 +18,11 @@ Use it in a script, never in a library import (pytest's own exit status would be
 
 ``install`` registers the handler that ends the process. atexit runs handlers last-registered
 first, so a handler registered before every import runs after all of them.
+
+A worker process whose parent owns the exit status (a spawned rank) calls :func:`exit_now` when its work
+is done. Skipping the teardown there also avoids a gloo abort at exit: a gloo worker thread that still
+releases a finished collective's tensors needs the GIL, and taking it while the interpreter is being
+torn down kills the process with SIGABRT ("terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -27,19 +32,27 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 _exit_code: int | None = None  # set when main() ended; None: leave the exit to the interpreter
 
 
 def _end_now() -> None:
-    if _exit_code is None:
-        return
+    if _exit_code is not None:
+        exit_now(_exit_code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush logging and the standard streams, then end the process with ``code``, skipping the teardown.
+
+    atexit handlers do not run: call it after they have (as ``install`` does), or where none matter.
+    """
     if "logging" in sys.modules:  # its own atexit flush may have been registered before ours
         sys.modules["logging"].shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(_exit_code)
+    os._exit(code)
 
 
 def install() -> None:
