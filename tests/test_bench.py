@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -32,13 +33,22 @@ def test_logging_metrics_once_per_epoch_gives_the_same_values(make_cfg, monkeypa
         assert float(once[key]) == float(every[key]), key
 
 
+def docs_bench_command() -> str:
+    """The `python -m scripts.bench` command of docs/benchmarks.md, as written."""
+    from tests.test_readme_commands import readme_commands
+
+    (command,) = [c for c in readme_commands() if c.startswith("python -m scripts.bench --suite throughput,startup")]
+    return command
+
+
 @pytest.mark.slow
 def test_bench_writes_table_json_and_plots(tmp_path):
-    """Minimal steps, one round: checks the outputs exist and hold positive numbers (no timing asserted)."""
+    """The docs' bench command, shortened to one round of minimal steps: the outputs exist and hold positive
+    numbers (no timing asserted). It is this test that runs that docs command (tests/test_readme_commands.py)."""
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "scripts.bench", "--suite", "throughput,startup",
-           "--rounds", "1", "--epochs", "2", "--limit-train-batches", "5", "--workers", "0", "--quiet-wait", "0",
-           "--out", str(out)]
+    shorter = ["--rounds", "1", "--epochs", "2", "--limit-train-batches", "5", "--workers", "0", "--quiet-wait", "0",
+               "--out", str(out)]  # the last value of an option wins
+    cmd = [sys.executable, *shlex.split(docs_bench_command())[1:], *shorter]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 

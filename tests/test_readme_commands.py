@@ -5,8 +5,9 @@ The commands are read from the files, so a command added there is tested here: t
 (`python -m src.collectives`, also under torchrun), the benchmarks (`python -m scripts.bench`) and the
 test commands (`python -m pytest`). Each runs in a fresh shell from the repository root, with arguments
 appended that only make it short and keep its output in a temporary directory. Only what this machine
-cannot do is skipped, each with its reason (SKIP); the targets that would run this suite itself or
-benchmark for minutes are dry-run (DRY_RUN), and a pytest command collects its tests without running them.
+cannot do is skipped, each with its reason (SKIP), and so is a command another test runs with its outputs
+checked (RUN_ELSEWHERE); the targets that would run this suite itself or benchmark for minutes are dry-run
+(DRY_RUN), and a pytest command collects its tests without running them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ SKIP = {
     "srun ": "needs a SLURM cluster; tests/test_ddp.py::test_slurm_environment_detected simulates one",
     "num_nodes=2": "needs a second machine (two nodes); tests/test_ddp.py simulates two nodes over loopback",
     "accelerator=gpu": "needs a CUDA GPU; the same strategy's CPU form runs in its own tests, GPU paths in tests -m gpu",
+}
+# Whole command -> the test that runs it, shortened, and checks its outputs (here it would only run again).
+RUN_ELSEWHERE = {
+    "python -m scripts.bench --suite throughput,startup --rounds 2":
+        "tests/test_bench.py::test_bench_writes_table_json_and_plots runs it and checks its table, JSON and plots",
 }
 # Whole command -> why it is only dry-run (`make -n`: the target exists and expands).
 DRY_RUN = {
@@ -111,7 +117,7 @@ def _run_overrides(command: str, logs: Path, request) -> list[str]:
 
 @pytest.mark.parametrize("command", readme_commands())
 def test_readme_command_runs(command, tmp_path, request):
-    if reason := _skip_reason(command):
+    if reason := _skip_reason(command) or RUN_ELSEWHERE.get(command):
         pytest.skip(reason)
     if command in DRY_RUN:
         proc = _shell(f"make -n -o .make/installed {command.removeprefix('make ')}")
@@ -153,5 +159,5 @@ def test_readme_commands_are_found():
         assert any(kind in c for c in commands), f"no {kind!r} command found in the README or docs/"
     for key in SKIP:
         assert any(key in c for c in commands), f"SKIP entry {key!r} matches no README command any more"
-    for command in DRY_RUN:
-        assert command in commands, f"DRY_RUN entry {command!r} is no longer in the README"
+    for command in (*DRY_RUN, *RUN_ELSEWHERE):
+        assert command in commands, f"DRY_RUN/RUN_ELSEWHERE entry {command!r} is no longer in the README or docs/"
