@@ -86,3 +86,17 @@ def test_export_without_a_checkpoint_or_with_an_unknown_format_is_one_line(tmp_p
     assert proc.returncode == 2 and "ckpt_path is not set" in proc.stderr
     proc = run_entry("export", "ckpt_path=x.ckpt", "format=tflite", f"hydra.run.dir={tmp_path}/run2")
     assert proc.returncode == 2 and "format='tflite' is not one of onnx, torchscript" in proc.stderr
+
+
+@pytest.mark.slow
+def test_an_export_that_does_not_match_is_removed(make_cfg, monkeypatch):
+    """A file whose outputs differ from the checkpoint's model by more than the tolerance is not left behind."""
+    import src.export
+
+    ckpt = trained_checkpoint(make_cfg, "mlp", PAIRS["mlp"])
+    monkeypatch.setattr(src.export, "max_difference", lambda *args: 1.0)
+    cfg = make_cfg("export", [f"ckpt_path={ckpt}", "format=torchscript", "extras.print_config=false"],
+                   subdir="export", tiny=False)
+    with pytest.raises(RuntimeError, match="torchscript export differs from the checkpoint's model by 1"):
+        src.export.export(cfg)
+    assert not ckpt.with_suffix(".pt").exists() and ckpt.is_file()
