@@ -14,6 +14,7 @@ import torch
 from src.models.step_module import StepModule
 from src.train import train
 from tests.helpers.config import ROOT
+from tests.helpers.docs import readme_commands
 
 
 def _log_every_step(self, name, metric, prog_bar=True):
@@ -35,8 +36,6 @@ def test_logging_metrics_once_per_epoch_gives_the_same_values(make_cfg, monkeypa
 
 def docs_bench_command() -> str:
     """The `python -m scripts.bench` command of docs/benchmarks.md, as written."""
-    from tests.test_readme_commands import readme_commands
-
     (command,) = [c for c in readme_commands() if c.startswith("python -m scripts.bench --suite throughput,startup")]
     return command
 

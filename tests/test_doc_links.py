@@ -7,10 +7,10 @@ import re
 import pytest
 
 from tests.helpers.config import ROOT
+from tests.helpers.docs import DOCUMENTS
 
 pytestmark = pytest.mark.fast
 
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target); images too
 
 

@@ -21,12 +21,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.config import ROOT
+from tests.helpers.docs import readme_commands
 
 pytestmark = pytest.mark.slow
-
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python src/(?:train|eval|export)\.py|torchrun .*(?:src/train\.py|-m src\.collectives)"
-                     r"|srun python src/train\.py|python -m (?:src\.collectives|scripts\.bench|pytest)|make)\b")
 
 # Substring -> why this machine cannot run it. Keep this small: everything else must run.
 SKIP = {
@@ -55,19 +52,6 @@ FEW_MESSAGES = ["bench.sizes=[4KB]", "bench.warmup=1", "bench.iters=2", "ring.be
 FEW_STEPS = ["--rounds", "1", "--epochs", "2", "--limit-train-batches", "2", "--accuracy-epochs", "1", "--workers", "''",
              "--no-paired", "--quiet-wait", "0", "--no-tty"]
 SYNTHETIC_CIFAR10 = "data/synthetic_cifar10"  # where the README's `make synthetic-cifar10` writes
-
-
-def readme_commands() -> list[str]:
-    """The runnable lines of the bash code blocks of the README and docs/, continuation lines joined, comments
-    dropped."""
-    commands = []
-    for document in DOCUMENTS:
-        for block in re.findall(r"^```(?:bash|sh)?\n(.*?)^```", document.read_text(), re.S | re.M):
-            for line in block.replace("\\\n", " ").splitlines():
-                line = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
-                if COMMAND.match(line):
-                    commands.append(line)
-    return list(dict.fromkeys(commands))  # `make test` appears more than once
 
 
 def _skip_reason(command: str) -> str | None:

@@ -1,0 +1,24 @@
+"""The README and docs/ as tests read them: which files, and the commands in their bash code blocks."""
+
+from __future__ import annotations
+
+import re
+
+from tests.helpers.config import ROOT
+
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python src/(?:train|eval|export)\.py|torchrun .*(?:src/train\.py|-m src\.collectives)"
+                     r"|srun python src/train\.py|python -m (?:src\.collectives|scripts\.bench|pytest)|make)\b")
+
+
+def readme_commands() -> list[str]:
+    """The runnable lines of the bash code blocks of the README and docs/, continuation lines joined, comments
+    dropped."""
+    commands = []
+    for document in DOCUMENTS:
+        for block in re.findall(r"^```(?:bash|sh)?\n(.*?)^```", document.read_text(), re.S | re.M):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
+                if COMMAND.match(line):
+                    commands.append(line)
+    return list(dict.fromkeys(commands))  # `make test` appears more than once
