@@ -15,7 +15,6 @@ repository root, or anywhere once the project is installed (``make install``).
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from src.runtime import prompt_exit
@@ -29,7 +28,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from src.collectives.launch import RankFailed, launch, plan_from_config  # noqa: E402
 from src.collectives.runtime import CollectiveError  # noqa: E402
-from src.utils.errors import UserError  # noqa: E402
+from src.utils.errors import UserError, exit_with_error  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,16 +45,14 @@ def main(cfg: DictConfig) -> None:
     try:
         plan = plan_from_config(cfg, HydraConfig.get().runtime.output_dir)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_with_error(str(err))
     if plan.external is None or plan.external.rank == 0:
         for note in plan.notes:
             print(f"note: {note}", flush=True)
     try:
         launch(plan)
     except (RankFailed, CollectiveError) as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        exit_with_error(str(err).splitlines()[0], code=1)
 
 
 if __name__ == "__main__":

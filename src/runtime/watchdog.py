@@ -36,7 +36,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +46,7 @@ from torch.distributed import Store, TCPStore
 
 from src.runtime.exit_cleanup import announce_peer_failure
 from src.runtime.launch_context import launch_context
+from src.utils.errors import print_error
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
@@ -257,8 +257,8 @@ class RankWatchdog:
         info = self.peers.get(peer, {})
         where = f"rank {peer} (host {info.get('host', '?')}, pid {info.get('pid', '?')})"
         if self._tell(peer, what):  # the first rank to find it says it, once per job
-            print(f"error: {where} {what}; every rank stops now. fix: see that rank's log; "
-                  "re-running the same command resumes from the last checkpoint", file=sys.stderr, flush=True)
+            print_error(f"{where} {what}; every rank stops now. fix: see that rank's log; "
+                        "re-running the same command resumes from the last checkpoint")
         if what.startswith("is stuck"):
             self._dump_flight_recorder()
         here = info.get("host") == socket.gethostname() and info.get("pid") not in (None, os.getpid())

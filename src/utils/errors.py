@@ -1,5 +1,10 @@
 """User-facing errors: the entry points print these as one line and exit non-zero, without a traceback."""
 
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
 
 class UserError(Exception):
     """Something the user can fix (config, data, checkpoint, environment). The message names the fix."""
@@ -25,3 +30,15 @@ def user_error_cause(err: BaseException) -> UserError | None:
             return seen
         seen = seen.__cause__
     return None
+
+
+def print_error(message: str) -> None:
+    """The one printer of failures a user reads: ``error: <what is wrong>; fix: <how>`` on stderr."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def exit_with_error(message: str, code: int = 2, printed: bool = True) -> NoReturn:
+    """Print ``message`` (unless another rank says it: ``printed=False``) and exit with ``code``."""
+    if printed:
+        print_error(message)
+    raise SystemExit(code)

@@ -35,7 +35,7 @@ from omegaconf.errors import (
 )
 
 from src.runtime.launch_context import launch_context
-from src.utils.errors import user_error_cause
+from src.utils.errors import exit_with_error, user_error_cause
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
 _SET_HERE = "SRC_HYDRA_FULL_ERROR_SET_BY_ENTRY"  # FULL_ERROR was set by this module, not by the user
@@ -59,9 +59,7 @@ def hydra_main(**kwargs: Any) -> Callable[[Callable], Callable]:
 def _exit_with(message: str, every_rank_sees_it: bool = False) -> None:
     """Print ``error: message`` and exit 2; an error every rank of a torchrun/srun launch sees alike (the
     command line's) is printed by global rank 0 only, the others exit 2 quietly."""
-    if not every_rank_sees_it or launch_context().is_global_zero:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    exit_with_error(message, printed=not every_rank_sees_it or launch_context().is_global_zero)
 
 
 def report_job_errors(task: Callable) -> Callable:

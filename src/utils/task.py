@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from src.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
-from src.utils.errors import ConfigError, UserError, user_error_cause
+from src.utils.errors import ConfigError, UserError, exit_with_error, user_error_cause
 from src.utils.pylogger import RankedLogger, current_rank
 from src.utils.rich_utils import print_config_tree
 
@@ -43,8 +43,7 @@ def task_wrapper(
         except Exception as err:
             cause = user_error_cause(err) or rendezvous_error(err)
             if cause is not None:
-                print(f"error: {cause}", file=sys.stderr, flush=True)
-                raise SystemExit(2) from None
+                exit_with_error(str(cause))
             if peer_failed(err):  # another rank failed first and says why: stop quietly
                 exit_after_peer_failure(current_rank())
             raise

@@ -20,6 +20,7 @@ import time
 import torch.distributed as dist
 
 from src.runtime.launch_context import launch_context
+from src.utils.errors import print_error
 
 EXIT_FAILED = 1
 POLL_S = 0.05
@@ -102,8 +103,8 @@ def end_job_after_failure(jobs: JobStore | None, rank: int, what: str, fallback_
     except Exception:
         reporter = fallback_reporter
     if reporter:
-        print(f"error: {what}; every rank stops now. fix: see that rank's log; re-running the same command "
-              "resumes from the last checkpoint", file=sys.stderr, flush=True)
+        print_error(f"{what}; every rank stops now. fix: see that rank's log; re-running the same command "
+                    "resumes from the last checkpoint")
     else:
         print(f"rank {rank}: stopping because another rank failed (its error is above)", file=sys.stderr, flush=True)
     sys.stdout.flush()
