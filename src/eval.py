@@ -27,9 +27,9 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from src.checkpointing.start import check_checkpoint  # noqa: E402
 from src.runtime.hydra_launch import isolated_job  # noqa: E402
 from src.strategies.launchers import preflight  # noqa: E402
-from src.utils.checkpoint import check_checkpoint  # noqa: E402
 from src.utils.config_checks import check_config  # noqa: E402
 from src.utils.errors import ConfigError  # noqa: E402
 from src.utils.hydra_errors import hydra_main  # noqa: E402

@@ -31,9 +31,9 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from src.checkpointing.io import load_checkpoint_file  # noqa: E402
+from src.checkpointing.start import check_checkpoint  # noqa: E402
 from src.runtime.hydra_launch import isolated_job  # noqa: E402
-from src.utils.checkpoint import check_checkpoint  # noqa: E402
-from src.utils.checkpoint_io import load_checkpoint_file  # noqa: E402
 from src.utils.errors import ConfigError  # noqa: E402
 from src.utils.hydra_errors import hydra_main  # noqa: E402
 from src.utils.pylogger import RankedLogger  # noqa: E402

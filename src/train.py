@@ -29,9 +29,12 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from src.checkpointing.last_checkpoint import best_checkpoint  # noqa: E402
+from src.checkpointing.required import with_resume_callbacks  # noqa: E402
+from src.checkpointing.start import check_checkpoint, resume_checkpoint  # noqa: E402
+from src.run.status import completed_task, run_status, task_overrides  # noqa: E402
 from src.runtime.hydra_launch import isolated_job  # noqa: E402
 from src.strategies.launchers import preflight  # noqa: E402
-from src.utils.checkpoint import check_checkpoint, resume_checkpoint  # noqa: E402
 from src.utils.config_checks import check_config  # noqa: E402
 from src.utils.instantiators import (  # noqa: E402
     drop_callbacks_needing_a_logger,
@@ -41,7 +44,6 @@ from src.utils.instantiators import (  # noqa: E402
 from src.utils.logging_utils import log_hyperparameters  # noqa: E402
 from src.utils.pylogger import RankedLogger  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
-from src.utils.run_status import completed_task, run_status, task_overrides  # noqa: E402
 from src.utils.task import extras, get_metric_value, task_wrapper  # noqa: E402
 
 log = RankedLogger(__name__)
@@ -71,6 +73,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         check_checkpoint(ckpt_path, model)
     loggers = instantiate_loggers(cfg.get("logger"))
     callbacks = drop_callbacks_needing_a_logger(instantiate_callbacks(cfg.get("callbacks")), loggers)
+    if cfg.get("train"):  # resume and stop signals never depend on what `callbacks` holds
+        callbacks = with_resume_callbacks(callbacks, cfg.paths.output_dir, cfg.last_ckpt_every_n_train_steps)
     log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     preflight(trainer, model, datamodule)  # before any rank starts and before the run is recorded as running
@@ -87,7 +91,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         if cfg.get("test"):
             status.note(f"training finished at epoch {trainer.current_epoch}, global step {trainer.global_step}; "
                         "testing")
-            ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+            ckpt = best_checkpoint(trainer)
             if not ckpt:
                 log.warning("No best checkpoint found: testing the weights at the end of training")
             trainer.test(model=model, datamodule=datamodule, ckpt_path=ckpt or None)

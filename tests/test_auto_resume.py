@@ -3,7 +3,8 @@ save), re-run the same command each time, and the final weights equal those of a
 
 Real processes, real SIGKILLs to the whole process group (every rank dies, as when a node is lost).
 The MLP has dropout and the data is augmented, so a resume that lost the random state, the sampler's
-order or the position in the epoch would end with other weights.
+order or the position in the epoch would end with other weights. The killed runs choose their callbacks
+(none, or a hand-picked list) and the references keep the default ones: resume never depends on them.
 """
 
 from __future__ import annotations
@@ -66,14 +67,18 @@ def kill_and_resume(log_dir: Path, extra: list[str], kills: int, seed: int) -> t
     return dirs[0], done
 
 
-@pytest.mark.parametrize("extra", [[], ["trainer=ddp", "trainer.devices=2"], ["trainer=fsdp", "trainer.devices=2"]],
-                         ids=["1-process", "ddp-2-ranks", "fsdp-2-ranks"])
-def test_killed_runs_resume_bit_exact(tmp_path, extra, reference_runs):
+@pytest.mark.parametrize(("extra", "callbacks"), [
+    ([], "callbacks=none"),
+    (["trainer=ddp", "trainer.devices=2"], "callbacks=[model_checkpoint,rich_progress_bar]"),
+    (["trainer=fsdp", "trainer.devices=2"], "callbacks=default"),
+], ids=["1-process-no-callbacks", "ddp-2-ranks-picked-callbacks", "fsdp-2-ranks"])
+def test_killed_runs_resume_bit_exact(tmp_path, extra, callbacks, reference_runs):
     ref_dir = reference_runs(*extra)
 
     # one process: three kills (random, mid-save, random); DDP and FSDP: two (random, mid-save), as their restarts
     # cost more; FSDP's last.ckpt is a folder of shards, swapped in whole
-    run_dir, kills = kill_and_resume(tmp_path / "killed", extra, kills=2 if extra else 3, seed=len(extra))
+    run_dir, kills = kill_and_resume(tmp_path / "killed", [*extra, callbacks], kills=2 if extra else 3,
+                                     seed=len(extra))
     assert kills >= 2, f"only {kills} kills landed while the run was training"
     assert "status: finished" in (run_dir / "status.yaml").read_text()
     differing = differing_weights(ref_dir, run_dir)

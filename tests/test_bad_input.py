@@ -113,7 +113,7 @@ def test_missing_checkpoint_fails_before_training(tmp_path):
 
 @pytest.mark.fast
 def test_unreadable_checkpoint(tmp_path, make_cfg):
-    from src.utils.checkpoint import check_checkpoint
+    from src.checkpointing.start import check_checkpoint
 
     junk = tmp_path / "junk.ckpt"
     junk.write_bytes(b"not a checkpoint")
@@ -481,7 +481,7 @@ def test_bad_checkpoint_files(tmp_path, kind, named):
 
 @pytest.mark.fast
 def test_checkpoint_messages_never_advise_unsafe_loading(tmp_path):
-    from src.utils.checkpoint import check_checkpoint
+    from src.checkpointing.start import check_checkpoint
 
     path = tmp_path / "code.ckpt"
     torch.save(

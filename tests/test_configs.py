@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 
 import src.strategies  # noqa: F401  (registers the dp and pipeline names)
-from src.utils.checkpoint_io import AtomicCheckpointIO
+from src.checkpointing.io import AtomicCheckpointIO
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers
 from tests.helpers.config import CONFIG_DIR, ROOT
 

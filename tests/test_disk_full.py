@@ -22,8 +22,8 @@ import psutil
 import pytest
 import torch
 
-from src.utils import checkpoint_io
-from src.utils.checkpoint_io import AtomicCheckpointIO, DiskFullError
+from src.checkpointing import io as checkpoint_io
+from src.checkpointing.io import AtomicCheckpointIO, DiskFullError
 from tests.helpers.config import ROOT
 from tests.helpers.training_runs import finish, launch
 
@@ -86,7 +86,7 @@ def _user_namespaces_work() -> bool:
 
 # The default run with its resume checkpoint every 2 steps: last.ckpt (6.2 MiB, MLP + Adam) fits on 12 MB, the
 # second save next to it does not.
-SMALL = ["+trainer.limit_train_batches=5", "+trainer.limit_val_batches=2", "callbacks.resume_checkpoint.every_n_train_steps=2",
+SMALL = ["+trainer.limit_train_batches=5", "+trainer.limit_val_batches=2", "last_ckpt_every_n_train_steps=2",
          "extras.print_config=false"]
 
 

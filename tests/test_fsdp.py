@@ -14,9 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from src.strategies.fsdp.wrap import check_shardable, resolve_sharding
-from src.utils.errors import CheckpointError, ConfigError
-from src.utils.sharded_checkpoint import (
+from src.checkpointing.sharded import (
     indexed_optimizer_state,
     join_tensors,
     named_optimizer_state,
@@ -24,6 +22,8 @@ from src.utils.sharded_checkpoint import (
     replace,
     split_tensors,
 )
+from src.strategies.fsdp.wrap import check_shardable, resolve_sharding
+from src.utils.errors import CheckpointError, ConfigError
 from tests.helpers.config import compose_cfg
 from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers
@@ -179,7 +179,7 @@ def runs(tmp_path_factory):
 
 
 def _weights(result: list[dict]) -> dict[str, torch.Tensor]:
-    from src.utils.checkpoint_io import load_checkpoint_file
+    from src.checkpointing.io import load_checkpoint_file
 
     return load_checkpoint_file(result[0]["last"])["state_dict"]
 
@@ -295,7 +295,7 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2(runs, tmp_path):
                      timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {run['last']}" in proc.stdout + proc.stderr
-    from src.utils.checkpoint_io import load_checkpoint_file
+    from src.checkpointing.io import load_checkpoint_file
 
     resumed = load_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt")
     assert resumed["global_step"] == 16  # 8 steps of the 4-rank run, then 8 more on 2 ranks

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.faults]
 # mid-epoch, where the epoch's running loss and accuracy must carry over.
 LOGS = ["model=mlp", "data=fashion_mnist", "data.augment=true", "trainer.max_epochs=2", "+trainer.limit_train_batches=30",
         "+trainer.limit_val_batches=3", "test=false", "extras.print_config=false",
-        "callbacks.resume_checkpoint.every_n_train_steps=7", "logger=[csv,tensorboard,mlflow,wandb]"]
+        "last_ckpt_every_n_train_steps=7", "logger=[csv,tensorboard,mlflow,wandb]"]
 
 
 def train(log_dir: Path):

@@ -46,7 +46,8 @@ def status_of(run_dir: Path) -> str:
 
 
 def test_sigterm_saves_exits_143_and_the_same_command_resumes_bit_exact(tmp_path, one_process_reference):
-    proc = start(tmp_path)
+    """With ``callbacks=none``: the stop and the resume come from the entry point, not the callbacks group."""
+    proc = start(tmp_path, "callbacks=none")
     signal_once_training(proc, tmp_path, signal.SIGTERM)
     assert finish(proc) == 128 + signal.SIGTERM, proc.stderr_text[-3000:]
     (run_dir,) = run_dirs(tmp_path)
@@ -54,7 +55,7 @@ def test_sigterm_saves_exits_143_and_the_same_command_resumes_bit_exact(tmp_path
     stopped_at = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 0 < stopped_at < 180
 
-    again = start(tmp_path)
+    again = start(tmp_path, "callbacks=none")
     assert finish(again) == 0, again.stderr_text[-3000:]
     assert run_dirs(tmp_path) == [run_dir]
     assert "status: finished" in status_of(run_dir)

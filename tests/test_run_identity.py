@@ -14,8 +14,8 @@ import psutil
 import pytest
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from src.utils import run_identity
-from src.utils.run_status import FINISHED, write_status
+from src.run import identity as run_identity
+from src.run.status import FINISHED, write_status
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 from tests.helpers.training_runs import (
@@ -33,9 +33,9 @@ TOY = ["model=toy", "data=toy", "trainer.max_epochs=1", "+trainer.limit_train_ba
 
 @pytest.fixture(autouse=True)
 def fresh_choice():
-    run_identity.forget_run_dir()
+    run_identity.release_run_dirs()
     yield
-    run_identity.forget_run_dir()
+    run_identity.release_run_dirs()
 
 
 def clear_launchers(monkeypatch) -> None:
@@ -47,9 +47,8 @@ def clear_launchers(monkeypatch) -> None:
 @pytest.mark.fast
 def test_same_second_launches_get_distinct_directories(tmp_path, monkeypatch):
     clear_launchers(monkeypatch)
-    first = run_identity.run_dir_name(str(tmp_path), ["a=1"], auto_resume=False)
-    run_identity._chosen.clear()  # a second process, same second
-    second = run_identity.run_dir_name(str(tmp_path), ["a=1"], auto_resume=False)
+    first = str(run_identity.choose_run_dir(tmp_path, ["a=1"], auto_resume=False))
+    second = str(run_identity.choose_run_dir(tmp_path, ["a=1"], auto_resume=False))
     assert first != second and Path(first).is_dir() and Path(second).is_dir()
     assert Path(second).name.startswith(Path(first).name)
 
@@ -60,19 +59,15 @@ def test_slurm_job_keeps_its_directory_across_requeues_and_separates_commands(tm
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
     monkeypatch.setenv("SLURM_JOB_ID", "80")
-    a = run_identity.run_dir_name(str(tmp_path), ["model=mlp"])
-    run_identity._chosen.clear()  # the requeued job: a new process, same ids, any day
-    assert run_identity.run_dir_name(str(tmp_path), ["model=mlp"]) == a
+    a = str(run_identity.choose_run_dir(tmp_path, ["model=mlp"]))
+    assert str(run_identity.choose_run_dir(tmp_path, ["model=mlp"])) == a
     assert Path(a).name.startswith("slurm_77_3_")
-    run_identity._chosen.clear()
-    assert run_identity.run_dir_name(str(tmp_path), ["model=toy"]) != a  # another training in the same job
+    assert str(run_identity.choose_run_dir(tmp_path, ["model=toy"])) != a  # another training in the same job
     write_status(a, FINISHED)
-    run_identity._chosen.clear()
     # a requeue after the run finished lands in it again (the task then says it is complete) ...
-    assert run_identity.run_dir_name(str(tmp_path), ["model=mlp"]) == a
-    run_identity._chosen.clear()
+    assert str(run_identity.choose_run_dir(tmp_path, ["model=mlp"])) == a
     # ... unless it asks not to resume: then a fresh dir
-    assert run_identity.run_dir_name(str(tmp_path), ["model=mlp"], auto_resume=False) == a + "_2"
+    assert str(run_identity.choose_run_dir(tmp_path, ["model=mlp"], auto_resume=False)) == a + "_2"
 
 
 @pytest.mark.fast
@@ -83,12 +78,11 @@ def test_a_running_unfinished_run_is_not_taken_over(tmp_path, monkeypatch):
     (crashed / "checkpoints" / "last.ckpt").write_bytes(b"x")
     (crashed / ".hydra").mkdir()
     (crashed / ".hydra" / "overrides.yaml").write_text("- a=1\n")
-    assert run_identity.run_dir_name(str(tmp_path), ["a=1"]) == str(crashed)  # re-running the command continues it
-    run_identity._chosen.clear()
+    assert str(run_identity.choose_run_dir(tmp_path, ["a=1"])) == str(crashed)  # re-running the command continues it
     holder = run_identity._locks.copy()  # this process still holds the lock: a second identical command...
-    assert holder and run_identity.run_dir_name(str(tmp_path), ["a=1"]) != str(crashed)  # ...starts its own run
-    run_identity.forget_run_dir()
-    assert run_identity.run_dir_name(str(tmp_path), ["a=2"]) != str(crashed)  # other overrides: not this run
+    assert holder and str(run_identity.choose_run_dir(tmp_path, ["a=1"])) != str(crashed)  # ...starts its own run
+    run_identity.release_run_dirs()
+    assert str(run_identity.choose_run_dir(tmp_path, ["a=2"])) != str(crashed)  # other overrides: not this run
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from src.utils.hydra_callbacks import registered_ranks
+from src.run.pid_file import registered_ranks
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 

@@ -13,8 +13,8 @@ import lightning as L
 import optuna
 from lightning.pytorch.callbacks import Callback
 
+from src.run.status import PRUNED
 from src.search.study import trial_of_this_job
-from src.utils.run_status import PRUNED
 
 
 class OptunaPruning(Callback):
@@ -27,7 +27,7 @@ class OptunaPruning(Callback):
     def __init__(self, monitor: str) -> None:
         self.monitor = monitor
         self._trial: optuna.trial.Trial | None = None
-        self.ended_run_as: tuple[str, str] | None = None  # read by src/utils/run_status.py for status.yaml
+        self.ended_run_as: tuple[str, str] | None = None  # read by src/run/status.py for status.yaml
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._trial = trial_of_this_job() if trainer.is_global_zero else None

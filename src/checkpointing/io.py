@@ -40,7 +40,7 @@ from src.utils.errors import CheckpointError
 _PATH = str | os.PathLike
 
 TEMP_SUFFIX = ".tmp"
-TEMP_DIR_SUFFIX = ".shards.tmp"  # the temp folder of a sharded checkpoint (src/utils/sharded_checkpoint.py)
+TEMP_DIR_SUFFIX = ".shards.tmp"  # the temp folder of a sharded checkpoint (src/checkpointing/sharded.py)
 # ``.<checkpoint name>.<pid>.<8 random chars>.tmp``: tempfile.mkstemp's random part is 8 of [a-z0-9_].
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[a-z0-9_]{8}" + re.escape(TEMP_SUFFIX) + r"$")
 _TEMP_DIR_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[a-z0-9_]{8}" + re.escape(TEMP_DIR_SUFFIX) + r"$")
@@ -79,7 +79,7 @@ def cleanup_stale_temp_files(dirpath: _PATH) -> list[Path]:
             match = (_TEMP_DIR_NAME if is_dir else _TEMP_NAME).match(entry.name)
             if match is None or not (is_dir or entry.is_file(follow_symlinks=False)) or _alive(int(match["pid"])):
                 continue
-            if is_dir:  # a sharded checkpoint's temp folder (src/utils/sharded_checkpoint.py)
+            if is_dir:  # a sharded checkpoint's temp folder (src/checkpointing/sharded.py)
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(Path(entry.path))
                 continue
@@ -265,7 +265,7 @@ def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: b
     shown = f"ckpt_path={str(path)!r}"
     if not path.exists():
         raise CheckpointError(f"{shown} does not exist; fix: pass the path of a .ckpt file")
-    from src.utils.sharded_checkpoint import is_sharded_checkpoint, read_sharded  # it builds on this module
+    from src.checkpointing.sharded import is_sharded_checkpoint, read_sharded  # it builds on this module
 
     if is_sharded_checkpoint(path):  # trainer=fsdp's folder: assembled whole, tensors only (weights_only)
         return read_sharded(path)

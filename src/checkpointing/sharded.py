@@ -6,7 +6,7 @@ the tensors (weights and optimizer state, each rank its own shards); ``meta.pt``
 with ``torch.save``. Optimizer states are keyed by parameter name, so any number of ranks reads them.
 
 *Atomic.* Every rank writes into a temp folder beside the checkpoint (``.<name>.<pid>.<random>.shards.tmp``,
-which :mod:`src.utils.checkpoint_io` cleans up after a kill); once all have, global rank 0 adds ``meta.pt`` and swaps the
+which :mod:`src.checkpointing.io` cleans up after a kill); once all have, global rank 0 adds ``meta.pt`` and swaps the
 folder in with one rename: ``renameat2(RENAME_EXCHANGE)`` on Linux when an older checkpoint is there, then
 deletes the old one. At every instant ``<name>`` is the old checkpoint or the new one, whole. Where the
 kernel or filesystem has no exchange, the old one is renamed aside first (a kill in between leaves it
@@ -37,14 +37,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from src.data.components.safe_unpickle import RefusedGlobal, RestrictedUnpickler
-from src.utils import lightning_compat as compat
-from src.utils.checkpoint_io import (
+from src.checkpointing.io import (
     TEMP_DIR_SUFFIX,
     cleanup_stale_temp_files,
     load_checkpoint_file,
     temp_prefix,
 )
+from src.data.components.safe_unpickle import RefusedGlobal, RestrictedUnpickler
+from src.utils import lightning_compat as compat
 from src.utils.errors import CheckpointError
 
 META_FILE = "meta.pt"  # Lightning's name for it too (its ModelParallelStrategy's sharded checkpoints)

@@ -42,8 +42,8 @@ def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module) -> None:
 def saved_weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """``{key: shape}`` of a checkpoint's weights: a file's ``state_dict``, or a sharded folder's index alone."""
     # imported here: they load Lightning, and Hydra's callbacks import this module before the job starts
-    from src.utils.checkpoint_io import load_checkpoint_file
-    from src.utils.sharded_checkpoint import is_sharded_checkpoint, read_meta, saved_shapes
+    from src.checkpointing.io import load_checkpoint_file
+    from src.checkpointing.sharded import is_sharded_checkpoint, read_meta, saved_shapes
 
     if is_sharded_checkpoint(path):
         read_meta(path)  # the folder's other half: a clear error now if it is missing

@@ -43,7 +43,7 @@ class InMemoryDataModule(LightningDataModule):
     * Training can resume mid-epoch, bit-exact: each epoch's order comes from ``(seed, epoch)``, the
       loader's position is saved in checkpoints (:mod:`src.data.components.resumable_loader`), the
       loaders never draw from the global RNG, and :meth:`generator_states` exposes the augmentation
-      streams to :class:`~src.callbacks.resume_state.ResumeRandomState`.
+      streams to :class:`~src.checkpointing.resume_state.ResumeRandomState`.
 
     Subclasses implement :meth:`load_split`, set ``mean``/``std`` for uint8 image data, and may
     :meth:`augment` training batches.

@@ -7,13 +7,13 @@ Lightning's loggers start a new series on each start instead: CSV and TensorBoar
 is given the same id, and MLflow a new run unless it is given the run id. Here:
 
 * :class:`ResumableCSVLogger` keeps ``version_0``. The first metrics a fit logs are the first it replays
-  (:class:`src.callbacks.resume_logs.ContinueLogs` tells the loggers when a fit starts), so the rows of
+  (:class:`src.checkpointing.continue_logs.ContinueLogs` tells the loggers when a fit starts), so the rows of
   that step and after are dropped from the file before the new ones are written (CSVLogger has no such
   option). Rows are written as they are logged, so a kill loses none of the steps the checkpoint holds.
 * :class:`ResumableTensorBoardLogger` keeps ``version_0`` and, at the first metrics a fit logs, writes
   TensorBoard's own restart marker (the ``SessionLog.START`` event that ``SummaryWriter(purge_step=)``
   writes): TensorBoard then hides the earlier events of that step and after.
-* :class:`ResumableMLFlowLogger` tags its run with the run's id (:func:`src.utils.run_identity.run_uid`)
+* :class:`ResumableMLFlowLogger` tags its run with the run's id (:func:`src.run.identity.ensure_run_uid`)
   and continues the run of that tag, if an earlier attempt made one.
 * W&B is given that id and ``resume: allow`` in ``configs/logger/wandb.yaml``.
 

@@ -136,7 +136,7 @@ class StepModule(compat.FastHookName, LightningModule):
 
     def resumable_metrics(self, mid_epoch: bool) -> dict[str, Metric]:
         """The metrics whose running state a checkpoint keeps: the best-so-far tracker, and (``mid_epoch``) the
-        training epoch's (:class:`src.callbacks.resume_state.ResumeMetricState`). Validation and test metrics
+        training epoch's (:class:`src.checkpointing.resume_state.ResumeMetricState`). Validation and test metrics
         start afresh."""
         names = [n for n, m in self.named_children() if isinstance(m, Metric) and n.startswith("train_")] * mid_epoch
         if self.best_of:

@@ -1,12 +1,13 @@
 """One launch, one run directory, agreed by all its ranks; a restart of the same launch finds it again.
 
-``hydra.run.dir`` is resolved through :func:`run_dir_name`. In order:
+:func:`choose_run_dir` is called once per launch, by :class:`src.run.directory.RunDirectory` before Hydra
+writes anything, unless the command names ``hydra.run.dir`` itself. In order:
 
 1. **The launcher's job id.** A SkyPilot task (``SKYPILOT_TASK_ID``, kept across spot recoveries) or a
    SLURM job (``SLURM_JOB_ID`` plus array task and step, kept across requeues): every rank computes
    the same name, and a requeue or recovery lands in its own directory again, also after training
    finished: the task then finishes what is left (the test), or exits 0 saying the run is complete
-   (:func:`src.utils.run_status.completed_task`). The name also carries a hash of the command's
+   (:func:`src.run.status.completed_task`). The name also carries a hash of the command's
    overrides, so two different trainings in one allocation get two dirs. (``auto_resume=false``: the
    first of ``name``, ``name_2`` ... that has not finished.)
 2. **torchrun.** The first rank to ask stores a fresh stamp in the elastic agent's store; the others,
@@ -19,8 +20,8 @@
    exclusively (``_2``, ``_3`` ... for runs started in the same second). A run in this root whose
    status says ``running`` while its process is gone from this host is marked ``died`` on the way.
 
-Each run dir also gets a random id, made once and kept in it (:func:`run_uid`): W&B and MLflow continue one
-run by it across resumes.
+Each run dir also gets a random id, made once and kept in it (:func:`ensure_run_uid`; the ``${run_uid:}``
+resolver only reads it): W&B and MLflow continue one run by it across resumes.
 
 A directory taken over or created locally stays locked (``flock`` on ``.lock``) while this process
 lives, so two identical commands never share one; the kernel drops the lock when the process dies,
@@ -33,37 +34,29 @@ import datetime as dt
 import hashlib
 import os
 import secrets
-from collections.abc import Sequence
 from pathlib import Path
 
+from src.run.lock import try_lock
+from src.run.status import ENDED, RUNNING, STATUS_FILE, mark_if_died, read_status
 from src.runtime.launch_context import launch_context
-from src.utils.file_lock import try_lock
-from src.utils.run_status import ENDED, RUNNING, STATUS_FILE, mark_if_died, read_status
+from src.utils.errors import ConfigError
 
 LOCK_FILE = ".lock"
 RUN_ID_FILE = ".run_id"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
-_chosen: dict[tuple, str] = {}  # hydra.run.dir is resolved several times per run: answer alike each time
 _locks: dict[str, int] = {}  # run dir -> open fd holding its flock
 
 
-def run_dir_name(runs_root: str, overrides: Sequence[str] = (), auto_resume: bool = True) -> str:
-    """The run directory (absolute path) of this launch; see the module docstring."""
-    key = (str(runs_root), tuple(overrides), bool(auto_resume))
-    if key not in _chosen:
-        _chosen[key] = str(_choose(Path(runs_root).absolute(), list(overrides), auto_resume))
-    return _chosen[key]
-
-
-def forget_run_dir() -> None:
-    """End of a Hydra run in this process: release the locks and the remembered choice."""
-    _chosen.clear()
+def release_run_dirs() -> None:
+    """End of a Hydra run in this process: release the run dirs' locks (a later in-process run chooses anew)."""
     for fd in _locks.values():
         os.close(fd)
     _locks.clear()
 
 
-def _choose(root: Path, overrides: list[str], auto_resume: bool) -> Path:
+def choose_run_dir(root: Path, overrides: list[str], auto_resume: bool = True) -> Path:
+    """The run directory (absolute) of this launch under ``root``; see the module docstring. Call it once."""
+    root = root.absolute()
     job_id = launch_context().job_id
     if job_id is not None:
         # every rank must reach the same answer without talking; a job's own earlier dir is kept, finished or not
@@ -155,7 +148,7 @@ def _lock(run: Path) -> bool:
     return True
 
 
-def run_uid(run_dir: str) -> str:
+def ensure_run_uid(run_dir: str | os.PathLike) -> str:
     """The id of the run in ``run_dir``: random (16 hex digits), made by the first process to ask, kept in the dir.
 
     Every rank, and every later attempt of the run, reads the same one. The file appears whole or not at
@@ -172,4 +165,13 @@ def run_uid(run_dir: str) -> str:
             pass
         finally:
             tmp.unlink()
+    return path.read_text().strip()
+
+
+def read_run_uid(run_dir: str) -> str:
+    """``${run_uid:<run dir>}``: the id :func:`ensure_run_uid` made when the job started (a resolver only reads)."""
+    path = Path(run_dir) / RUN_ID_FILE
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} has no run id ({RUN_ID_FILE}); fix: start the run with src/train.py, or call "
+                          "src.run.identity.ensure_run_uid(run_dir) before building its loggers")
     return path.read_text().strip()

@@ -5,7 +5,7 @@ the run's metrics and the overrides it was started with: a relaunch of that comm
 the same job id) exits 0 saying so, instead of training again (:func:`completed_run`). While a run
 works the file says ``running`` and names its owner (pid, host, start time); a run killed by SIGKILL
 leaves ``running`` behind, which :func:`read_status` reports as ``died`` once that process is gone
-from this host. Auto-resume (:mod:`src.utils.run_identity`) takes over runs that did not finish;
+from this host. Auto-resume (:mod:`src.run.identity`) takes over runs that did not finish;
 users and cluster scripts read the same file to see what happened to a run.
 """
 
@@ -25,7 +25,7 @@ import psutil
 
 from src.runtime.launch_context import launch_context
 
-if TYPE_CHECKING:  # imported by the run-dir resolver, before logging is set up: no Lightning at import
+if TYPE_CHECKING:  # imported by the run-dir Hydra callback, before logging is set up: no Lightning at import
     import lightning as L
     from omegaconf import DictConfig
 

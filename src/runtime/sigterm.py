@@ -26,7 +26,7 @@ pickles the job for the requeue and counts its time-outs. A requeued job ends wi
 job, in the same job dir, resumes from ``last.ckpt`` and gives the result. Where ``scontrol`` is
 missing (a pyxis/enroot container), one line says the job was not requeued; the checkpoint is
 saved anyway. Outside fit (validate/test) the handler keeps Lightning's behaviour. One-process
-runs get the same stop, checked after every batch, from :class:`src.callbacks.stop_signals.StopSignals`.
+runs get the same stop, checked after every batch, from :class:`src.checkpointing.stop_signals.StopSignals`.
 """
 
 from __future__ import annotations
@@ -36,15 +36,14 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from lightning import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from src.checkpointing.last_checkpoint import last_checkpoint_path
 from src.runtime.launch_context import launch_context
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
@@ -81,13 +80,6 @@ def check_interval(every_n_batches: object) -> int:
         raise ConfigError(f"trainer.strategy.sigterm_check_every_n_batches={every_n_batches!r} must be an integer "
                           ">= 1 (1 = every batch)")
     return every_n_batches
-
-
-def last_checkpoint_path(trainer: Trainer) -> Path:
-    """Where a stop saves: ``last.ckpt`` next to the first ModelCheckpoint's files (what auto-resume reads)."""
-    dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-    root = Path(dirs[0]) if dirs else Path(trainer.default_root_dir) / "checkpoints"
-    return root / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
 
 
 def stop_for_preemption(trainer: Trainer, signum: int) -> NoReturn:
@@ -229,7 +221,7 @@ def install_sigterm_agreement(trainer: Trainer, every_n_batches: int) -> Sigterm
     """Install the agreed stop on a multi-process ``trainer``; the :class:`SigtermSync` if installed.
 
     Called from the strategy's ``setup``, before Lightning registers its signal handlers.
-    Single-process trainers are handled by :class:`src.callbacks.stop_signals.StopSignals`.
+    Single-process trainers are handled by :class:`src.checkpointing.stop_signals.StopSignals`.
     """
     if trainer.world_size == 1:
         return None

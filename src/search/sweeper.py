@@ -36,10 +36,10 @@ from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig
 from optuna.trial import TrialState
 
+from src.run.lock import try_lock
 from src.runtime.hydra_launch import entry_command
 from src.search.study import open_study, search_space, trial_overrides
 from src.utils.errors import ConfigError
-from src.utils.file_lock import try_lock
 
 SEARCH_LOCK, ASK_LOCK = ".search.lock", ".ask.lock"  # in the sweep dir
 # Hydra overrides a worker gets from the sweep itself, not from the command that started the sweep

@@ -8,7 +8,7 @@ behaves exactly like ``trainer=ddp``:
   ``sigterm_check_every_n_batches`` batches (:mod:`src.runtime.sigterm`);
 * a stop signal (SIGTERM, SIGUSR1) saves ``last.ckpt`` at that batch and exits 128 + signal;
 * checkpoints are written atomically and loaded with ``weights_only=True``
-  (:mod:`src.utils.checkpoint_io`), unless another CheckpointIO is given;
+  (:mod:`src.checkpointing.io`), unless another CheckpointIO is given;
 * a collective waits at most ``timeout`` (10 minutes) for a busy peer;
 * a rank that dies, freezes or gets stuck (in a collective its peers never join, or a blocking call) ends
   every rank soon, with one line naming it; a stuck rank's collectives are written by torch's flight
@@ -30,12 +30,12 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
+from src.checkpointing.io import AtomicCheckpointIODefault
 from src.runtime.sigterm import install_sigterm_agreement
 from src.strategies.launchers import PreflightMultiprocessingLauncher, PreflightSubprocessLauncher
 from src.strategies.process_life import ProcessLife, collective_timeout
 from src.strategies.ps.layout import refuse_mixing
 from src.utils import lightning_compat as compat
-from src.utils.checkpoint_io import AtomicCheckpointIODefault
 from src.utils.errors import ConfigError
 
 

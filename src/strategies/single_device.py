@@ -1,10 +1,10 @@
 """``SingleDeviceStrategy``: Lightning's single-device strategy with the project's checkpoint files.
 
 One-process runs (``trainer=default``, ``cpu``, ``gpu``, ``mps``) write checkpoints atomically and load
-them with ``weights_only=True`` (:mod:`src.utils.checkpoint_io`), as the multi-process strategies do;
+them with ``weights_only=True`` (:mod:`src.checkpointing.io`), as the multi-process strategies do;
 the default lives in the strategy class, so ``Trainer(strategy=SingleDeviceStrategy())`` gets it too.
 Given no device, the strategy takes the one the Trainer picks from ``accelerator`` and ``devices``.
-One-process stop signals come from the :class:`src.callbacks.stop_signals.StopSignals` callback (in the
+One-process stop signals come from the :class:`src.checkpointing.stop_signals.StopSignals` callback (in the
 default callbacks): a strategy has no hook at the end of a training batch, the one point where a stop is
 saved whole.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingleDeviceStrategy
 
+from src.checkpointing.io import AtomicCheckpointIODefault
 from src.utils import lightning_compat as compat
-from src.utils.checkpoint_io import AtomicCheckpointIODefault
 from src.utils.errors import ConfigError
 
 

@@ -1,11 +1,11 @@
-"""OmegaConf resolvers: the run directory every rank of a launch agrees on, its id, and rank-0-only values."""
+"""OmegaConf resolvers. They only read: the run's id, rank-0-only values, a negation."""
 
 from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from src.run.identity import read_run_uid
 from src.runtime.launch_context import launch_context
-from src.utils.run_identity import run_dir_name, run_uid
 
 
 def rank_zero_value(value: str) -> str | None:
@@ -19,7 +19,7 @@ def negation(value: object) -> bool:
 
 
 def register_resolvers() -> None:
-    for name, fn in (("run_dir", run_dir_name), ("run_uid", run_uid), ("rank_zero", rank_zero_value),
+    for name, fn in (("run_uid", read_run_uid), ("rank_zero", rank_zero_value),
                      ("not", negation)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

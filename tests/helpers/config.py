@@ -10,6 +10,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
+from src.run.identity import ensure_run_uid
 from src.utils.resolvers import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,8 @@ TINY = [
 def compose_cfg(config_name: str, overrides: Sequence[str], output_dir: Path, tiny: bool = True) -> DictConfig:
     """Compose ``configs/<config_name>.yaml`` with ``overrides`` as the entry point would, without running Hydra's job."""
     register_resolvers()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    ensure_run_uid(output_dir)  # what the run room's Hydra callback does when a job starts
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         cfg = compose(config_name, overrides=[*(TINY if tiny else []), *overrides], return_hydra_config=True)

@@ -16,7 +16,7 @@ from tests.helpers.config import ROOT
 # resume that lost the random state, the shuffle or the position in the epoch ends with other weights.
 TRAIN = ["model=mlp", "data=fashion_mnist", "data.augment=true", "logger=csv", "trainer.max_epochs=3",
          "+trainer.limit_train_batches=60", "+trainer.limit_val_batches=5", "test=false",
-         "callbacks.resume_checkpoint.every_n_train_steps=3", "callbacks.metric_plot=null"]
+         "last_ckpt_every_n_train_steps=3", "++callbacks.metric_plot=null"]
 
 
 def start(log_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
@@ -53,7 +53,7 @@ def wait_for_checkpoint(proc: subprocess.Popen, log_dir: Path, timeout: float = 
 
 def last_checkpoint(run_dir: Path) -> dict:
     """``checkpoints/last.ckpt`` of a run, a file or a sharded folder, read whole."""
-    from src.utils.checkpoint_io import load_checkpoint_file
+    from src.checkpointing.io import load_checkpoint_file
 
     return load_checkpoint_file(run_dir / "checkpoints" / "last.ckpt")
 

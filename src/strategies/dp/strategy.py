@@ -31,6 +31,7 @@ from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
+from src.checkpointing.io import AtomicCheckpointIODefault
 from src.data.components.global_batch import check_dp_batch
 from src.strategies.dp.shards import (
     ShardRunner,
@@ -42,7 +43,6 @@ from src.strategies.dp.shards import (
 )
 from src.strategies.ps.layout import refuse_mixing
 from src.utils import lightning_compat as compat
-from src.utils.checkpoint_io import AtomicCheckpointIODefault
 from src.utils.errors import ConfigError
 
 
@@ -52,7 +52,7 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
     The Trainer fills in ``parallel_devices`` from ``accelerator``/``devices`` (CPU ``devices=2``
     gives two CPU "devices", i.e. two threads on the same CPU). Checkpoints hold the root
     module's plain state dict, loadable by any single-device run; without a ``checkpoint_io``
-    they are written by :class:`~src.utils.checkpoint_io.AtomicCheckpointIO`.
+    they are written by :class:`~src.checkpointing.io.AtomicCheckpointIO`.
     """
 
     strategy_name = "dp"

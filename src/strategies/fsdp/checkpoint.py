@@ -1,7 +1,7 @@
 """A sharded model's weights and optimizer state, to and from either checkpoint format.
 
 *Sharded* (the default): every rank saves and loads its own shards through ``torch.distributed.checkpoint``
-(:mod:`src.utils.sharded_checkpoint`); the folder reshards on load, so it resumes on any number of ranks.
+(:mod:`src.checkpointing.sharded`); the folder reshards on load, so it resumes on any number of ranks.
 *Full*: the weights and optimizer state are gathered to global rank 0 and written as one file, laid out
 as a DDP or single-device checkpoint (optimizer state in torch's format, each group listing its
 ``param_names``); every rank reads that file and keeps its own shards.
@@ -23,9 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from src.utils.checkpoint_io import load_checkpoint_file
-from src.utils.errors import CheckpointError
-from src.utils.sharded_checkpoint import (
+from src.checkpointing.io import load_checkpoint_file
+from src.checkpointing.sharded import (
     from_layout,
     indexed_optimizer_state,
     is_sharded_checkpoint,
@@ -34,6 +33,7 @@ from src.utils.sharded_checkpoint import (
     read_meta,
     to_layout,
 )
+from src.utils.errors import CheckpointError
 
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on global rank 0's host only
 

@@ -13,7 +13,7 @@ Lightning 2.6 runs FSDP2 through its ``ModelParallelStrategy``; its ``FSDPStrate
 * **mixed precision** comes from ``trainer.precision`` (``bf16-mixed``: bf16 all-gathers and compute,
   float32 gradient reduction); ``cpu_offload`` keeps shards and optimizer state on the host (GPU runs);
 * **checkpoints** are sharded folders by default, written atomically and read on any number of ranks or
-  by one process (:mod:`src.utils.sharded_checkpoint`); ``state_dict_type=full`` writes one DDP-style file;
+  by one process (:mod:`src.checkpointing.sharded`); ``state_dict_type=full`` writes one DDP-style file;
 * shares DDP's **process life** (:mod:`src.strategies.process_life`): pre-flight launcher (python, torchrun,
   srun, ``-m`` sweeps), SIGTERM agreement, dead/frozen-rank watchdog, file rendezvous, restart namespace,
   exit cleanup.
@@ -36,6 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
+from src.checkpointing.io import AtomicCheckpointIODefault
+from src.checkpointing.sharded import is_sharded_checkpoint, replace, save_sharded, to_layout
 from src.runtime.exit_cleanup import release_before_destroy
 from src.runtime.sigterm import install_sigterm_agreement
 from src.strategies.fsdp import checkpoint as ckpt
@@ -49,9 +51,7 @@ from src.strategies.fsdp.wrap import (
 from src.strategies.launchers import PreflightSubprocessLauncher
 from src.strategies.process_life import ProcessLife, collective_timeout
 from src.utils import lightning_compat as compat
-from src.utils.checkpoint_io import AtomicCheckpointIODefault
 from src.utils.errors import ConfigError
-from src.utils.sharded_checkpoint import is_sharded_checkpoint, replace, save_sharded, to_layout
 
 STATE_DICT_TYPES = ("sharded", "full")
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "bf16-true", "16-true")  # Lightning's ModelParallel set

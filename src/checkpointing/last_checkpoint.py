@@ -1,0 +1,77 @@
+"""``checkpoints/last.ckpt``: the checkpoint a killed, stopped or finished run resumes from.
+
+Lightning 2.6's ModelCheckpoint writes ``last.ckpt`` at an epoch's end only when it also saved a top-k
+file at that step: a run whose metric stopped improving, or that ended on ``max_steps`` between two
+intervals, kept an older ``last.ckpt`` than its final state. :class:`LastCheckpoint` writes it every
+``every_n_train_steps``, at the end of each training epoch (after its validation) and when ``fit``
+ends, whatever the monitored metric did, and saves nothing else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+
+LAST_NAME = f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """A ModelCheckpoint (so Lightning adds no default one) that owns ``<dirpath>/last.ckpt`` alone."""
+
+    def __init__(self, dirpath: str | Path, every_n_train_steps: int = 1000) -> None:
+        super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps,
+                         enable_version_counter=False)
+        self._saved_step = -1
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dirpath) / LAST_NAME
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._saved_step = trainer.global_step  # a resumed fit holds that step already
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        n = self._every_n_train_steps
+        if n and trainer.global_step % n == 0:
+            self.save(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.save(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pass  # mid-epoch validation changes no weights: the step's own save covers it
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.save(trainer)
+
+    def save(self, trainer: L.Trainer) -> None:
+        """Write ``last.ckpt`` on every rank's call (rank 0 writes), once per global step."""
+        if trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if trainer.global_step == self._saved_step:  # e.g. the epoch's end right after its last step's save
+            return
+        trainer.save_checkpoint(self.path, weights_only=False)
+        self.last_model_path = str(self.path)
+        self._saved_step = trainer.global_step
+
+
+def last_checkpoint_path(trainer: L.Trainer) -> Path:
+    """Where this trainer's ``last.ckpt`` goes: its :class:`LastCheckpoint`'s, else the first ModelCheckpoint's
+    folder, else ``<default_root_dir>/checkpoints`` (a Trainer built without the entry point)."""
+    owners = [cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)]
+    if owners:
+        return owners[0].path
+    dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    return (Path(dirs[0]) if dirs else Path(trainer.default_root_dir) / "checkpoints") / LAST_NAME
+
+
+def best_checkpoint(trainer: L.Trainer) -> str:
+    """The best checkpoint a user's ModelCheckpoint kept (empty when there is none)."""
+    kept = [cb.best_model_path for cb in trainer.checkpoint_callbacks
+            if isinstance(cb, ModelCheckpoint) and not isinstance(cb, LastCheckpoint) and cb.best_model_path]
+    return kept[0] if kept else ""

@@ -1,0 +1,76 @@
+"""The run directory, chosen once per launch before Hydra writes anything (a Hydra callback).
+
+``hydra.run.dir`` in ``configs/hydra/default.yaml`` is the runs root. Unless the command names
+``hydra.run.dir`` itself (child ranks get their parent's dir that way), :meth:`RunDirectory.on_run_start`
+asks :func:`src.run.identity.choose_run_dir` for this launch's directory inside it and sets it, once. It
+also refuses, in one line and before anything is written, a directory that cannot be created or that
+holds checkpoints this run would not resume from. Each job's dir gets its run id (``.run_id``) here; the
+``${run_uid:}`` resolver only reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, open_dict, read_write
+
+from src.checkpointing.start import check_no_earlier_checkpoints
+from src.run.identity import choose_run_dir, ensure_run_uid, release_run_dirs
+from src.runtime.launch_context import launch_context
+from src.utils.errors import ConfigError, exit_with_error
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why ``directory`` cannot be created or written, or None when it can."""
+    probe = directory.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def named_by_command(config: DictConfig) -> bool:
+    """True when the command line sets ``hydra.run.dir`` (a user's choice, or a child rank's parent's dir)."""
+    return any(o.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for o in config.hydra.overrides.hydra)
+
+
+class RunDirectory(Callback):
+    """Choose, check and claim the run directory; release it when the run ends.
+
+    Other ranks of a launch (torchrun, srun) exit 2 quietly on a refusal: global rank 0 says why.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        given = Path(config.hydra.run.dir)
+        self._refuse_unwritable(given)
+        if not named_by_command(config):
+            chosen = choose_run_dir(given, list(config.hydra.overrides.task), bool(config.get("auto_resume", False)))
+            with read_write(config), open_dict(config):
+                config.hydra.run.dir = str(chosen)
+            given = chosen
+        try:
+            check_no_earlier_checkpoints(config, given)
+        except ConfigError as err:
+            exit_with_error(str(err), printed=launch_context().is_global_zero)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._refuse_unwritable(Path(config.hydra.sweep.dir))
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        ensure_run_uid(config.hydra.runtime.output_dir)
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        release_run_dirs()
+
+    @staticmethod
+    def _refuse_unwritable(directory: Path) -> None:
+        reason = unwritable_reason(directory)
+        if reason:
+            exit_with_error(f"cannot create output dir {directory}: {reason}; fix: choose another with "
+                            "hydra.run.dir=... (or paths.log_dir=...)", printed=launch_context().is_global_zero)

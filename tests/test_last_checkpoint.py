@@ -1,0 +1,29 @@
+"""``last.ckpt`` is the final state of every fit and every epoch, whatever the monitored metric did and
+whatever ``callbacks`` holds: what a requeue resumes and what eval and export read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from src.checkpointing.last_checkpoint import LastCheckpoint
+from src.train import train
+
+pytestmark = pytest.mark.fast  # in-process toy fits, about a second each
+
+
+@pytest.mark.parametrize("callbacks", ["default", "none"])
+def test_last_ckpt_holds_the_weights_in_memory_when_fit_ends_between_intervals(make_cfg, callbacks):
+    # 2 epochs of 10 steps, last.ckpt every 7: a fit ending at step 12 saved at 7 and 10 on the way
+    cfg = make_cfg("train", ["model=toy", "data=toy", f"callbacks={callbacks}", "last_ckpt_every_n_train_steps=7",
+                             "++trainer.limit_train_batches=10", "trainer.max_epochs=3", "+trainer.max_steps=12",
+                             "test=false"])
+    _, objects = train(cfg)
+    trainer, model = objects["trainer"], objects["model"]
+    assert trainer.global_step == 12
+    (owner,) = [cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)]
+    saved = torch.load(owner.path, weights_only=False)
+    assert saved["global_step"] == 12
+    memory = model.state_dict()
+    assert saved["state_dict"].keys() == memory.keys()
+    assert all(torch.equal(saved["state_dict"][k], memory[k]) for k in memory)
