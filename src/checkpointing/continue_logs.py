@@ -10,16 +10,18 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
+from src.utils.hooks import ReplaysLogs
+
 
 class ContinueLogs(Callback):
     """At the start of each fit, arm every logger that has ``replay_starts``; disarm it when the fit ends."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for logger in trainer.loggers:
-            if callable(getattr(logger, "replay_starts", None)):
+            if isinstance(logger, ReplaysLogs):
                 logger.replay_starts(True)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for logger in trainer.loggers:
-            if callable(getattr(logger, "replay_starts", None)):
+            if isinstance(logger, ReplaysLogs):
                 logger.replay_starts(False)

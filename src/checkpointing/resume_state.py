@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from src.utils.hooks import RandomStatePerRank, ResumableMetrics
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
@@ -72,13 +73,13 @@ class ResumeRandomState(Callback):
         self._pending: dict[str, Any] | None = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if not getattr(trainer.strategy, "random_state_per_rank", True):
+        if not replays_per_rank(trainer):
             return
         checkpoint[CHECKPOINT_KEY] = gather_per_rank(trainer, capture_random_state(trainer))
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         states = checkpoint.get(CHECKPOINT_KEY)
-        if not getattr(trainer.strategy, "random_state_per_rank", True):
+        if not replays_per_rank(trainer):
             return
         if not states:
             log.warning("The checkpoint holds no random state: the resumed run will not match an uninterrupted one")
@@ -92,6 +93,12 @@ class ResumeRandomState(Callback):
         if self._pending is not None:
             restore_random_state(trainer, self._pending)
             self._pending = None
+
+
+def replays_per_rank(trainer: L.Trainer) -> bool:
+    """False for a strategy that says its runs cannot replay bit-exact; Lightning's own strategies can."""
+    strategy = trainer.strategy
+    return strategy.random_state_per_rank if isinstance(strategy, RandomStatePerRank) else True
 
 
 def gather_per_rank(trainer: L.Trainer, mine: Any) -> list[Any]:
@@ -148,8 +155,7 @@ class ResumeMetricState(Callback):
 
 
 def _resumable(pl_module: L.LightningModule, mid_epoch: bool) -> dict[str, Any]:
-    named = getattr(pl_module, "resumable_metrics", None)
-    return named(mid_epoch) if callable(named) else {}
+    return pl_module.resumable_metrics(mid_epoch) if isinstance(pl_module, ResumableMetrics) else {}
 
 
 def _to_cpu(value: Any) -> Any:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from src.runtime.launch_context import launch_context
+from src.utils.hooks import EndsRunAs
 
 if TYPE_CHECKING:  # imported by the run-dir Hydra callback, before logging is set up: no Lightning at import
     import lightning as L
@@ -159,7 +160,7 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
                 write_status(run_dir, PREEMPTED if preempted else FAILED, detail)
         raise
     if trainer.is_global_zero:
-        ended = next((c.ended_run_as for c in trainer.callbacks if getattr(c, "ended_run_as", None)), None)
+        ended = next((c.ended_run_as for c in trainer.callbacks if isinstance(c, EndsRunAs) and c.ended_run_as), None)
         where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
         write_status(run_dir, *(ended or (FINISHED, where)), overrides=list(overrides),
                      metrics=plain_metrics(record.metrics))

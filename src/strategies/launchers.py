@@ -30,6 +30,7 @@ from src.runtime.hydra_launch import entry_command
 from src.runtime.local_store import STORE_ENV, prepare_local_store
 from src.runtime.rendezvous import check_rendezvous
 from src.utils import lightning_compat as compat
+from src.utils.hooks import ChecksBeforeLaunch, GlobalBatch, WritesDataDir
 
 # -- the pre-flight: once per trainer and model, before any rank starts ------------------------------------
 _checked: weakref.WeakKeyDictionary[L.Trainer, tuple[int, int]] = weakref.WeakKeyDictionary()
@@ -48,13 +49,11 @@ def preflight(trainer: L.Trainer, model: L.LightningModule, datamodule: L.Lightn
     if _checked.get(trainer) == key:
         return
     strategy = trainer.strategy
-    check = getattr(strategy, "check_before_launch", None)
-    if callable(check):
-        check(trainer, model, datamodule)
-    check_data_dir = getattr(datamodule, "check_data_dir", None)
-    if callable(check_data_dir):  # a DataModule that writes its files: into a folder it can write
-        check_data_dir()
-    if getattr(datamodule, "batch_size_is_global", False):  # the project's DataModules; others keep their meaning
+    if isinstance(strategy, ChecksBeforeLaunch):
+        strategy.check_before_launch(trainer, model, datamodule)
+    if isinstance(datamodule, WritesDataDir):  # a DataModule that writes its files: into a folder it can write
+        datamodule.check_data_dir()
+    if isinstance(datamodule, GlobalBatch) and datamodule.batch_size_is_global:  # others keep their meaning
         per_replica_batch_size(datamodule.hparams.batch_size, strategy)
     if trainer.world_size > 1 or trainer.num_nodes > 1:
         check_rendezvous(trainer.num_nodes)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from src.utils.errors import ConfigError
+from src.utils.hooks import ChecksTrainerConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 _GPU_NAMES = ("gpu", "cuda")
@@ -192,6 +193,5 @@ def check_with_strategy_class(trainer_cfg: DictConfig) -> None:
         cls = hydra.utils.get_class(target) if target else None
     except Exception:  # an unknown target fails where it is built, with Hydra's own message
         return
-    check = getattr(cls, "check_trainer_config", None)
-    if callable(check):
-        check(trainer_cfg)
+    if isinstance(cls, type) and issubclass(cls, ChecksTrainerConfig):
+        cls.check_trainer_config(trainer_cfg)
