@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from src.models.optimizers import build_optimizer
+from src.models.owned_step import OwnedStep
 from src.utils import lightning_compat as compat
 from src.utils.seeding import rank_seed
 
@@ -38,7 +39,7 @@ class StepOutput(TypedDict):
     target: Tensor
 
 
-class StepModule(compat.FastHookName, LightningModule):
+class StepModule(OwnedStep, compat.FastHookName, LightningModule):
     """Holds ``net``, builds the optimizer/scheduler from partial configs, and wires the steps.
 
     A subclass that sets ``best_of = "<name>"`` and a ``val_<name>_best`` tracker (``MaxMetric`` or
@@ -54,9 +55,13 @@ class StepModule(compat.FastHookName, LightningModule):
             kernels take without a transpose.
         float32_matmul_precision: ``torch.set_float32_matmul_precision`` for this process (``high``: TF32 on
             GPUs that have it, for 32-true runs); ``None`` leaves torch's setting.
+        owned_step: the module runs its own training step where the strategy allows it (single device, DDP):
+            the same numbers as Lightning's automatic optimization, with less work per step
+            (:mod:`src.models.owned_step`); ``False``: Lightning's step everywhere.
     """
 
     best_of: str | None = None
+    scheduler_monitor = "val/loss"  # what a ReduceLROnPlateau scheduler follows
 
     def __init__(
         self,
@@ -69,6 +74,7 @@ class StepModule(compat.FastHookName, LightningModule):
         fused_optimizer: bool = True,
         channels_last: bool = False,
         float32_matmul_precision: str | None = None,
+        owned_step: bool = True,
     ) -> None:
         super().__init__()
         # Only plain values go into the checkpoint's hparams, so it loads with torch.load(weights_only=True):
@@ -109,6 +115,8 @@ class StepModule(compat.FastHookName, LightningModule):
             self.log(name, metric, on_step=False, on_epoch=True, prog_bar=prog_bar)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if not self.automatic_optimization:
+            return self.owned_training_step(batch, batch_idx)
         return self.record_step("train", self.model_step(batch))
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
@@ -178,7 +186,7 @@ class StepModule(compat.FastHookName, LightningModule):
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
         scheduler = self.scheduler_factory(optimizer=optimizer)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": "epoch", "frequency": 1},
-        }
+        config = {"scheduler": scheduler, "interval": "epoch", "frequency": 1}
+        if self.automatic_optimization:  # under manual optimization Lightning drops it: the owned step reads it
+            config["monitor"] = self.scheduler_monitor
+        return {"optimizer": optimizer, "lr_scheduler": config}

@@ -52,6 +52,8 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife,
         **kwargs: Lightning's DDPStrategy arguments.
     """
 
+    runs_owned_step = True  # the module may own its training step (src/models/owned_step.py)
+
     def __init__(self, *args: Any, sigterm_check_every_n_batches: int = 10, hang_timeout_s: float | None = 120.0,
                  timeout: timedelta | float | None = None, **kwargs: Any) -> None:
         refuse_mixing(getattr(self, "strategy_name", "ddp"), kwargs)

@@ -30,6 +30,8 @@ class SingleDeviceStrategy(AtomicCheckpointIODefault, LightningSingleDeviceStrat
         **kwargs: Lightning's SingleDeviceStrategy arguments.
     """
 
+    runs_owned_step = True  # the module may own its training step (src/models/owned_step.py)
+
     def __init__(self, device: str | torch.device | int | None = None, **kwargs: Any) -> None:
         super().__init__(device="cpu" if device is None else device, **kwargs)
         self._chosen_by_trainer = device is None

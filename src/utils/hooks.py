@@ -70,3 +70,10 @@ class EndsRunAs(Protocol):
     """A callback that may end a run early on purpose; ``(status, detail)`` for ``status.yaml``, or None."""
 
     ended_run_as: tuple[str, str] | None
+
+
+@runtime_checkable
+class RunsOwnedStep(Protocol):
+    """A strategy that says whether the module may own its training step (manual optimization)."""
+
+    runs_owned_step: bool

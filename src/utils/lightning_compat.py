@@ -363,3 +363,28 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
 
 
 check_private_names()
+
+
+# -- a checkpoint's optimizer-step counters, automatic and manual optimization --------------------------
+_AUTOMATIC_STEPS = "epoch_loop.automatic_optimization.optim_progress"  # {"optimizer": {"step": Progress}}
+_MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"  # Progress
+
+
+def carry_optimizer_steps(checkpoint: dict, to_manual: bool) -> None:
+    """Copy the optimizer-step count of a checkpoint written in one optimization mode to the other's counter.
+
+    Lightning counts ``global_step`` from the mode that runs, so a run resumed in the other mode would
+    start again at step 0. Only a counter that is still zero is filled: the other mode never ran there.
+    """
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    if fit is None:
+        return
+    if _AUTOMATIC_STEPS not in fit or _MANUAL_STEPS not in fit:
+        raise LightningVersionError(f"lightning {lightning.__version__}: a checkpoint's fit loop has no "
+                                    f"{_AUTOMATIC_STEPS!r} or {_MANUAL_STEPS!r} (checked against {CHECKED_AGAINST})")
+    automatic = fit[_AUTOMATIC_STEPS]["optimizer"]["step"]
+    manual = fit[_MANUAL_STEPS]
+    source, target = (automatic, manual) if to_manual else (manual, automatic)
+    if target["total"]["completed"] == 0 and source["total"]["completed"] > 0:
+        for part in ("total", "current"):
+            target[part] = {**target[part], **{k: source[part][k] for k in ("ready", "completed")}}

@@ -84,6 +84,7 @@ class PipelineStrategy(DDPStrategy):
     """
 
     strategy_name = "pipeline"
+    runs_owned_step = False  # the schedule runs forward and backward itself
 
     def __init__(
         self,

@@ -84,6 +84,7 @@ class ParameterServerStrategy(DDPStrategy):
     """
 
     strategy_name = "ps"
+    runs_owned_step = False  # its optimizer step pushes gradients to the servers
     random_state_per_rank = False  # updates depend on when pushes arrive: a resumed run cannot replay bit-exact
 
     def __init__(self, num_servers: int = 1, max_staleness: int | None = None, server_device: str = "auto",

@@ -1,0 +1,109 @@
+"""The module owns its training step: forward, loss, metric updates, backward and the optimizer step.
+
+Lightning's automatic optimization wraps each step in a closure and runs its hook fan-outs around it.
+With manual optimization (Lightning's public API) the module runs the same operations, in the same order
+(zero_grad, backward, the optimizer step through Lightning's precision plugin, then the step-interval
+schedulers), so the numbers are the same bit for bit, with less work per step. Epoch-interval schedulers
+step where Lightning steps them: after the epoch's validation.
+
+It runs where the strategy says its step is the module's (``runs_owned_step``: single device and DDP)
+and the Trainer asks nothing of automatic optimization (gradient clipping, accumulation). Elsewhere the
+step is Lightning's, said once in an info line; ``owned_step=false`` asks for Lightning's step anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from torch import Tensor
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+from src.utils import lightning_compat as compat
+from src.utils.errors import ConfigError
+from src.utils.hooks import RunsOwnedStep
+from src.utils.pylogger import RankedLogger
+
+log = RankedLogger(__name__)
+
+
+def owned_step_blocker(trainer: L.Trainer) -> str | None:
+    """Why this trainer's steps stay Lightning's (None: the module owns them)."""
+    strategy = trainer.strategy
+    if not (isinstance(strategy, RunsOwnedStep) and strategy.runs_owned_step):
+        return f"{type(strategy).__name__} runs its own step"
+    if trainer.gradient_clip_val:
+        return "gradient clipping is set on the Trainer (gradient_clip_val)"
+    if trainer.accumulate_grad_batches != 1:
+        return f"gradients accumulate over {trainer.accumulate_grad_batches} batches"
+    return None
+
+
+class OwnedStep:
+    """Mixin for :class:`src.models.step_module.StepModule` (a LightningModule with ``model_step``/``record_step``)."""
+
+    scheduler_monitor: str  # the metric a ReduceLROnPlateau scheduler follows
+    _owned_for: tuple[Any, bool] | None = None  # (trainer, owns): decided once per trainer
+    _epoch_ran_to_end = False  # the last owned step was its epoch's last batch
+
+    @property
+    def automatic_optimization(self) -> bool:
+        trainer = self._trainer
+        if trainer is None or not self.hparams.get("owned_step", True):
+            return True
+        if self._owned_for is None or self._owned_for[0] is not trainer:
+            blocker = owned_step_blocker(trainer)
+            if blocker is not None:
+                log.info(f"Lightning's automatic optimization runs the training step: {blocker}")
+            object.__setattr__(self, "_owned_for", (trainer, blocker is None))
+        return not self._owned_for[1]
+
+    def owned_training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        """One optimizer step, in the order Lightning's closure runs it, then the schedulers Lightning would step."""
+        optimizer = self.optimizers()
+        loss = self.record_step("train", self.model_step(batch))
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        self._epoch_ran_to_end = batch_idx + 1 == self.trainer.num_training_batches
+        self._step_schedulers(batch_idx)
+        return loss.detach()
+
+    def _step_schedulers(self, batch_idx: int) -> None:
+        """Step-interval schedulers after every step, epoch-interval ones after the epoch's last step (before its
+        validation), as Lightning's loop does; ReduceLROnPlateau waits for the validation (``on_train_epoch_end``)."""
+        for config in self.trainer.lr_scheduler_configs:
+            if isinstance(config.scheduler, ReduceLROnPlateau):
+                if config.interval == "step":
+                    raise ConfigError("a ReduceLROnPlateau scheduler with interval 'step' needs Lightning's loop; "
+                                      "fix: set model.owned_step=false")
+                continue
+            if config.interval == "step":
+                index = batch_idx + 1
+            elif self._epoch_ran_to_end:
+                index = self.trainer.current_epoch + 1
+            else:
+                continue
+            if index % config.frequency == 0:
+                self.lr_scheduler_step(config.scheduler, None)
+
+    def on_train_epoch_end(self) -> None:
+        """ReduceLROnPlateau steps on the epoch's validation metric, once per epoch that ran to its end (a resume
+        that restarts at an epoch's end does not step it again)."""
+        trainer = self.trainer
+        if self.automatic_optimization or trainer.fit_loop.restarting or not self._epoch_ran_to_end:
+            return
+        for config in trainer.lr_scheduler_configs:
+            if not (isinstance(config.scheduler, ReduceLROnPlateau) and config.interval == "epoch"):
+                continue
+            if (trainer.current_epoch + 1) % config.frequency:
+                continue
+            value = trainer.callback_metrics.get(self.scheduler_monitor)
+            if value is None:
+                raise ConfigError(f"ReduceLROnPlateau follows {self.scheduler_monitor}, which was not logged; fix: "
+                                  f"set scheduler_monitor to one of {sorted(trainer.callback_metrics)}")
+            self.lr_scheduler_step(config.scheduler, value)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of either mode resumes in either: its step count moves to this run's counter."""
+        compat.carry_optimizer_steps(checkpoint, to_manual=not self.automatic_optimization)

@@ -1,0 +1,85 @@
+"""The owned training step (manual optimization, src/models/owned_step.py) gives Lightning's automatic
+optimization's numbers bit for bit: weights, optimizer and scheduler state, logged rows, over several
+epochs, in one process and under DDP x2; and a run killed under one resumes under the other."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.train import train
+from tests.helpers.training_runs import finish, run_dirs, start, wait_for_checkpoint
+
+pytestmark = pytest.mark.slow
+
+STEP_LR = "model.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:1,gamma:0.5}"
+PLATEAU = "model.scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,patience:0,factor:0.5}"
+SHORT = ["trainer.max_epochs=3", "++trainer.limit_train_batches=12", "++trainer.limit_val_batches=3"]
+
+
+def logged_rows(run_dir: Path) -> list[dict]:
+    """The CSV log without the wall-clock columns."""
+    with open(run_dir / "csv" / "version_0" / "metrics.csv") as f:
+        return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in csv.DictReader(f)]
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["global_step"] == b["global_step"] > 0
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert a["lr_schedulers"] == b["lr_schedulers"]
+
+
+@pytest.mark.parametrize("launch", [[], ["trainer=ddp", "trainer.devices=2"]], ids=["1-process", "ddp-2-ranks"])
+def test_owned_step_equals_lightnings_step_bit_for_bit(tmp_path, launch):
+    runs = {}
+    for owned in (True, False):
+        proc = start(tmp_path / str(owned), *launch, *SHORT, STEP_LR, f"model.owned_step={owned}")
+        assert finish(proc) == 0, proc.stderr_text[-3000:]
+        (runs[owned],) = run_dirs(tmp_path / str(owned))
+    last = {owned: torch.load(d / "checkpoints" / "last.ckpt", weights_only=False) for owned, d in runs.items()}
+    assert last[True]["lr_schedulers"][0]["_last_lr"] != last[True]["lr_schedulers"][0]["base_lrs"]  # it stepped
+    assert_same_state(last[True], last[False])
+    assert logged_rows(runs[True]) == logged_rows(runs[False])
+
+
+def test_a_plateau_scheduler_steps_on_the_same_metric(make_cfg):
+    """ReduceLROnPlateau under the owned step: the same weights and the same scheduler state when fit ends."""
+    ends = []
+    for owned in (True, False):
+        cfg = make_cfg("train", ["model=toy", "data=toy", PLATEAU, f"model.owned_step={owned}", "test=false",
+                                 "trainer.max_epochs=4"], subdir=str(owned))
+        _, objects = train(cfg)
+        module = objects["model"]
+        assert module.automatic_optimization is not owned
+        ends.append((module.state_dict(), objects["trainer"].lr_scheduler_configs[0].scheduler.state_dict()))
+    (weights, plateau), (weights_lightning, plateau_lightning) = ends
+    assert all(torch.equal(weights[k], weights_lightning[k]) for k in weights)
+    assert plateau == plateau_lightning and plateau["last_epoch"] == 4
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("first", [True, False], ids=["owned-then-lightning", "lightning-then-owned"])
+def test_a_run_killed_in_one_mode_resumes_in_the_other_bit_exact(tmp_path, first, reference_runs):
+    """kill -9 mid-run, then resume it with the other mode (``ckpt_path`` into the same run dir): the
+    uninterrupted run's weights."""
+    proc = start(tmp_path, f"model.owned_step={first}")
+    assert wait_for_checkpoint(proc, tmp_path), proc.stderr_text if proc.poll() else "no checkpoint"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    (run_dir,) = run_dirs(tmp_path)
+    killed_at = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    resumed = start(tmp_path, f"model.owned_step={not first}", f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+                    f"hydra.run.dir={run_dir}")
+    assert finish(resumed) == 0, resumed.stderr_text[-3000:]
+    final = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    expected = torch.load(reference_runs() / "checkpoints" / "last.ckpt", weights_only=False)
+    assert 0 < killed_at < final["global_step"] == expected["global_step"]
+    assert all(torch.equal(final["state_dict"][k], expected["state_dict"][k]) for k in expected["state_dict"])
