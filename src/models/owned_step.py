@@ -8,7 +8,8 @@ step where Lightning steps them: after the epoch's validation.
 
 It runs where the strategy says its step is the module's (``runs_owned_step``: single device and DDP)
 and the Trainer asks nothing of automatic optimization (gradient clipping, accumulation). Elsewhere the
-step is Lightning's, said once in an info line; ``owned_step=false`` asks for Lightning's step anywhere.
+step is Lightning's, said once in an info line. ``owned_step``: ``auto`` (the default) owns it on a CPU
+only, since it has not run on a GPU yet; ``true`` on any device; ``false`` never.
 """
 
 from __future__ import annotations
@@ -27,11 +28,15 @@ from src.utils.pylogger import RankedLogger
 log = RankedLogger(__name__)
 
 
-def owned_step_blocker(trainer: L.Trainer) -> str | None:
-    """Why this trainer's steps stay Lightning's (None: the module owns them)."""
+def owned_step_blocker(trainer: L.Trainer, mode: str | bool) -> str | None:
+    """Why this trainer's steps stay Lightning's under ``owned_step=mode`` (None: the module owns them)."""
+    if mode is False:
+        return "model.owned_step=false"
     strategy = trainer.strategy
     if not (isinstance(strategy, RunsOwnedStep) and strategy.runs_owned_step):
         return f"{type(strategy).__name__} runs its own step"
+    if mode == "auto" and strategy.root_device.type != "cpu":
+        return f"model.owned_step=auto owns it on a CPU only until it has run on a {strategy.root_device.type}"
     if trainer.gradient_clip_val:
         return "gradient clipping is set on the Trainer (gradient_clip_val)"
     if trainer.accumulate_grad_batches != 1:
@@ -49,11 +54,11 @@ class OwnedStep:
     @property
     def automatic_optimization(self) -> bool:
         trainer = self._trainer
-        if trainer is None or not self.hparams.get("owned_step", True):
+        if trainer is None:
             return True
         if self._owned_for is None or self._owned_for[0] is not trainer:
-            blocker = owned_step_blocker(trainer)
-            if blocker is not None:
+            blocker = owned_step_blocker(trainer, self.hparams.get("owned_step", "auto"))
+            if blocker is not None and blocker != "model.owned_step=false":
                 log.info(f"Lightning's automatic optimization runs the training step: {blocker}")
             object.__setattr__(self, "_owned_for", (trainer, blocker is None))
         return not self._owned_for[1]

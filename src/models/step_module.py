@@ -56,8 +56,8 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         float32_matmul_precision: ``torch.set_float32_matmul_precision`` for this process (``high``: TF32 on
             GPUs that have it, for 32-true runs); ``None`` leaves torch's setting.
         owned_step: the module runs its own training step where the strategy allows it (single device, DDP):
-            the same numbers as Lightning's automatic optimization, with less work per step
-            (:mod:`src.models.owned_step`); ``False``: Lightning's step everywhere.
+            the same numbers as Lightning's automatic optimization (:mod:`src.models.owned_step`). ``"auto"``:
+            on a CPU only (not run on a GPU yet); ``True``: on any device; ``False``: Lightning's step.
     """
 
     best_of: str | None = None
@@ -74,7 +74,7 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         fused_optimizer: bool = True,
         channels_last: bool = False,
         float32_matmul_precision: str | None = None,
-        owned_step: bool = True,
+        owned_step: bool | str = "auto",
     ) -> None:
         super().__init__()
         # Only plain values go into the checkpoint's hparams, so it loads with torch.load(weights_only=True):
