@@ -386,3 +386,16 @@ def test_compile_suite_cost_gain_and_break_even(tmp_path, monkeypatch):
     result = compile_suite.run(Bench(tmp_path, settings))
     assert result.raw["median_break_even_epochs"] is None
     assert "never breaks even" in " ".join(result.notes)
+
+
+@pytest.mark.slow
+def test_pipeline_worker_runs(tmp_path):
+    """scripts/bench/pipeline_worker.py end to end on a tiny model (numbers meaningless): table and JSON come out."""
+    from scripts.bench.pipeline_worker import markdown, run
+
+    result = run(out=tmp_path, width=32, depth=2, batch=16, steps=1, warmup=1, rounds=1, micro_batches=(1, 2))
+    # 1F1B needs m >= p = 2: no 1F1B row for m = 1
+    assert [(r["schedule"], r["m"]) for r in result["rows"]] == [("GPipe", 1), ("GPipe", 2), ("1F1B", 2)]
+    assert result["rows"][1]["ideal"] == pytest.approx(4 / 3)
+    assert all(r["samples_per_s"] > 0 for r in result["rows"])
+    assert "| 1F1B | 2 |" in markdown(result) and (tmp_path / "results.json").is_file()

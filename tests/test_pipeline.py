@@ -495,19 +495,6 @@ def test_pipeline_times_data_parallel_2x2():
     assert math.isclose(results[0]["test_diff"], results[1]["test_diff"])
 
 
-@pytest.mark.slow
-def test_benchmark_script_runs(tmp_path):
-    """scripts/bench/pipeline_worker.py end to end on a tiny model (numbers meaningless): table and JSON come out."""
-    from scripts.bench.pipeline_worker import markdown, run
-
-    result = run(out=tmp_path, width=32, depth=2, batch=16, steps=1, warmup=1, rounds=1, micro_batches=(1, 2))
-    # 1F1B needs m >= p = 2: no 1F1B row for m = 1
-    assert [(r["schedule"], r["m"]) for r in result["rows"]] == [("GPipe", 1), ("GPipe", 2), ("1F1B", 2)]
-    assert result["rows"][1]["ideal"] == pytest.approx(4 / 3)
-    assert all(r["samples_per_s"] > 0 for r in result["rows"])
-    assert "| 1F1B | 2 |" in markdown(result) and (tmp_path / "results.json").is_file()
-
-
 @pytest.mark.fast
 def test_preflight_applies_the_global_batch_rule_only_to_datamodules_that_say_so():
     """A DataModule of your own keeps its own meaning of batch_size (often per device); the project's are global."""

@@ -19,7 +19,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from scripts.bench.slow_rank import read_rates
+from src.callbacks.slow_rank import read_rates
 from src.strategies.ps.layout import shard_by_size
 from src.utils.errors import ConfigError
 from tests.helpers.config import ROOT
@@ -29,7 +29,7 @@ from tests.helpers.multiprocess import run_workers
 # Toy regression (plain SGD): fast to start, fast to train; dropout-free, so runs compare bit for bit.
 TOY = ["experiment=toy", "trainer.accelerator=cpu", "extras.print_config=false", "callbacks.metric_plot=null",
        "logger=csv", "trainer.max_epochs=1"]
-SLOW = ["+callbacks.slow._target_=scripts.bench.slow_rank.SlowRank"]
+SLOW = ["+callbacks.slow._target_=src.callbacks.slow_rank.SlowRank"]
 
 
 def train_run(run_dir: Path, *overrides: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:

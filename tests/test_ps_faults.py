@@ -3,7 +3,7 @@ job finishes as planned; a server killed ends the job with one line naming it, a
 worker started again with its own command joins the running job.
 
 The victim's pid comes from the chief's log (``ps: worker 1, rank 2 (host h, pid 123), joined at step 0``); a
-test-only delay per step (:class:`scripts.bench.slow_rank.SlowRank`) keeps the job running while it is hit.
+test-only delay per step (:class:`src.callbacks.slow_rank.SlowRank`) keeps the job running while it is hit.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A steady training step: no operation that makes a GPU's host wait, and no more operations than a plain loop.
 
 On a GPU a small model's step is launch-bound, so every extra operation is host time, and a host-device
-sync stalls the queue. Both are counted on the CPU with a ``TorchDispatchMode`` (scripts/bench/op_count.py),
+sync stalls the queue. Both are counted on the CPU with a ``TorchDispatchMode`` (tests/helpers/op_count.py),
 over steady steps of the default run with its defaults on (progress bar, logging, checkpoints, callbacks).
 The GPU twin, under ``torch.cuda.set_sync_debug_mode("error")``, is in tests/test_gpu.py.
 """
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scripts.bench.op_count import HOST_SYNC_OPS, OpCount, StepOpCount
 from scripts.bench.plain_loop import in_memory_batches, normalize
 from src.models.components.mlp import MLP
+from tests.helpers.op_count import HOST_SYNC_OPS, OpCount, StepOpCount
 
-COUNTER = ["+callbacks.op_count._target_=scripts.bench.op_count.StepOpCount", "++trainer.limit_train_batches=40",
+COUNTER = ["+callbacks.op_count._target_=tests.helpers.op_count.StepOpCount", "++trainer.limit_train_batches=40",
            "test=false"]
 # Lightning's own per-step additions, which no template on Lightning can drop: its closure divides the loss by
 # the accumulation count (a division, and its backward) and clones it for the progress bar.

@@ -1,12 +1,12 @@
 """The watchdog's load on the rendezvous store grows with the number of ranks, not its square, and a killed or
 frozen rank is still named within its bound: 24 heartbeat-only processes on loopback, 8 per pretend host
-(``scripts/bench/watchdog_load.py`` runs the same with 64, 128 and 256; figures in docs/faults.md)."""
+(``python -m scripts.studies.watchdog_load`` runs the same with 64, 128 and 256; figures in docs/faults.md)."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.bench.watchdog_load import measure
+from tests.helpers.watchdog_load import measure
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 

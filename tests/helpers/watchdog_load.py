@@ -1,7 +1,7 @@
-"""Load test of the rank watchdog: N heartbeat-only ranks on loopback, one TCP store, no training.
+"""Load test harness of the rank watchdog: N heartbeat-only ranks on loopback, one TCP store, no training.
 
-    python -m scripts.bench.watchdog_load --ranks 64 128 256           # the figures in docs/faults.md
-    python -m scripts.bench.watchdog_load --ranks 32 --timeout 5 --json out.json
+``tests/test_watchdog_load.py`` runs it with 24 ranks; ``python -m scripts.studies.watchdog_load`` with 64,
+128 and 256 for the figures in docs/faults.md.
 
 Each rank is a process forked from this one (torch and the watchdog are imported once, so 256 ranks
 start in seconds), running :class:`src.runtime.watchdog.RankWatchdog` on a client of a TCPStore that
@@ -17,7 +17,6 @@ processes of its own 7 neighbours, as on a real node. Measured, per N:
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import datetime as dt
 import importlib
@@ -27,9 +26,7 @@ import multiprocessing
 import os
 import signal
 import socket
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -150,29 +147,3 @@ def _cpu(proc: psutil.Process) -> float:
     except psutil.Error:
         return 0.0
     return times.user + times.system
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--ranks-per-host", type=int, default=8)
-    parser.add_argument("--timeout", type=float, default=10.0, help="the watchdog's timeout_s (hang_timeout_s)")
-    parser.add_argument("--window", type=float, default=10.0, help="seconds the store's load is measured over")
-    parser.add_argument("--faults", nargs="+", choices=["kill", "stop", "none"], default=["kill", "stop"],
-                        help="none: the load only")
-    parser.add_argument("--module", default="src.runtime.watchdog", help="the module holding RankWatchdog")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args(argv)
-    results = []
-    for n in args.ranks:
-        for fault in args.faults:
-            result = measure(n, fault, args.ranks_per_host, args.timeout, window_s=args.window, module_name=args.module)
-            results.append(result)
-            print(json.dumps(result), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs, {sys.platform}", "results": results},
-                                        indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
 """A test-only callback: a fixed delay per training step (longer on chosen ranks), and each step's end time.
 
-Used by ``tests/test_ps.py`` and ``python -m scripts.bench.ps_vs_ddp`` to slow one rank down on purpose.
+Used by ``tests/test_ps.py`` and ``python -m scripts.studies.ps_vs_ddp`` to slow one rank down on purpose.
 The delay (a sleep before every batch) dominates the step time, so rates compare on a loaded machine:
 
-    python src/train.py trainer=ps trainer.devices=4 +callbacks.slow._target_=scripts.bench.slow_rank.SlowRank \\
+    python src/train.py trainer=ps trainer.devices=4 +callbacks.slow._target_=src.callbacks.slow_rank.SlowRank \\
         +callbacks.slow.delay_s=0.02 +callbacks.slow.slow_ranks=[3]
 
 Every rank keeps ``step_times/rank<r>.json`` (its step end times, ``time.monotonic``) in the run directory,

@@ -1,7 +1,7 @@
 """DDP options a plain script leaves at their defaults, measured on bare torch DDP (no Lightning):
 
-    python -m scripts.bench.ddp_options                 # 2 gloo ranks on this machine, 9 rounds
-    python -m scripts.bench.ddp_options --rounds 5 --steps 200
+    python -m scripts.studies.ddp_options                 # 2 gloo ranks on this machine, 9 rounds
+    python -m scripts.studies.ddp_options --rounds 5 --steps 200
 
 Each rank trains the Fashion-MNIST MLP (784-512-256-10, dropout 0.1) on a fixed batch of 64 (global
 128) with fused Adam and one torch thread. Every round builds a fresh DDP model for each setting in turn

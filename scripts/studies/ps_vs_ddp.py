@@ -1,11 +1,11 @@
 """``trainer=ps`` against ``trainer=ddp`` when one worker is slow, and how far the parameter servers scale.
 
-    python -m scripts.bench.ps_vs_ddp                               # 2 rounds of the slow-worker runs, scale 3 s each
-    python -m scripts.bench.ps_vs_ddp --rounds 3 --seconds 5 --delay 0.05 --out logs/bench/ps
-    python -m scripts.bench.ps_vs_ddp --skip-slow                   # the scale measurements alone
+    python -m scripts.studies.ps_vs_ddp                               # 2 rounds of the slow-worker runs, scale 3 s each
+    python -m scripts.studies.ps_vs_ddp --rounds 3 --seconds 5 --delay 0.05 --out logs/bench/ps
+    python -m scripts.studies.ps_vs_ddp --skip-slow                   # the scale measurements alone
 
 1. **Slow worker** (the project, ``python src/train.py experiment=toy``, real processes on gloo): every worker
-   sleeps ``--delay`` s before each step (:class:`scripts.bench.slow_rank.SlowRank`), one of three ``--factor``
+   sleeps ``--delay`` s before each step (:class:`src.callbacks.slow_rank.SlowRank`), one of three ``--factor``
    times as long. Under ``trainer=ps`` (1 server + 3 workers) and ``trainer=ddp`` (3 ranks) each round runs the
    undisturbed and the slowed job side by side; the figure is the fast ranks' steps per second slowed / undisturbed,
    median (min-max) of the same-round ratios. The sleep dominates the step, so rates compare on a loaded machine.
@@ -35,7 +35,7 @@ import torch
 import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from scripts.bench.slow_rank import read_rates
+from src.callbacks.slow_rank import read_rates
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ["experiment=toy", "trainer.accelerator=cpu", "extras.print_config=false", "callbacks.metric_plot=null",
@@ -55,7 +55,7 @@ def slow_runs(out: Path, rnd: int, steps: int, delay: float, factor: float) -> d
             extra = [f"+callbacks.slow.slow_ranks=[{slow_rank}]"] if slowed else []
             proc = subprocess.run(
                 [sys.executable, str(ROOT / "src" / "train.py"), *args, *TOY, f"++trainer.limit_train_batches={steps}",
-                 "+callbacks.slow._target_=scripts.bench.slow_rank.SlowRank", f"+callbacks.slow.delay_s={delay}",
+                 "+callbacks.slow._target_=src.callbacks.slow_rank.SlowRank", f"+callbacks.slow.delay_s={delay}",
                  f"+callbacks.slow.factor={factor}", *extra, f"hydra.run.dir={run_dir}"],
                 cwd=ROOT, capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:

@@ -1,8 +1,8 @@
 """FSDP2 (the project's block sharding) against DDP, bare torch on gloo ranks: step time and memory per rank.
 
-    python -m scripts.bench.fsdp_vs_ddp                       # 2 ranks, the MLP and a wide MLP, 3 rounds
-    python -m scripts.bench.fsdp_vs_ddp --nproc 4 --rounds 1 --hidden 4096,4096
-    python -m scripts.bench.fsdp_vs_ddp --malloc glibc         # glibc's own allocator settings
+    python -m scripts.studies.fsdp_vs_ddp                       # 2 ranks, the MLP and a wide MLP, 3 rounds
+    python -m scripts.studies.fsdp_vs_ddp --nproc 4 --rounds 1 --hidden 4096,4096
+    python -m scripts.studies.fsdp_vs_ddp --malloc glibc         # glibc's own allocator settings
 
 Each rank trains an MLP of the project (``src/models/components/mlp.py``, dropout 0.1) on a fixed batch of
 64 (global 64 x ranks) with fused Adam and one torch thread. FSDP shards it with the strategy's own
