@@ -11,14 +11,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script without installing the package
-os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+import rootutils
+
+# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/utils/job_setup.py)
+rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True, dotenv=False)
 
 from src.runtime import prompt_exit  # noqa: E402
 

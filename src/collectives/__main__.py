@@ -14,10 +14,12 @@ repository root, or anywhere once the project is installed (``make install``).
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import rootutils
 
-from src.runtime import prompt_exit
+# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/utils/job_setup.py)
+rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True, dotenv=False)
+
+from src.runtime import prompt_exit  # noqa: E402
 
 if __name__ == "__main__":
     prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
@@ -31,12 +33,10 @@ from src.collectives.runtime import CollectiveError  # noqa: E402
 from src.utils.errors import UserError, exit_with_error  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 register_resolvers()
 
 
-@hydra.main(version_base="1.3", config_path=str(ROOT / "configs"), config_name="collectives")
+@hydra.main(version_base="1.3", config_path="../../configs", config_name="collectives")
 def main(cfg: DictConfig) -> None:
     """Validate the config in this process, then run the mode on every rank.
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from src.runtime.launch_context import launch_context
+
 STORE_ENV = "LIGHTNING_HYDRA_TEMPLATE_FILE_STORE"
 
 
@@ -42,7 +44,7 @@ def prepare_local_store(num_nodes: int, fresh: bool, launches_ranks: bool) -> No
     ranks live across fit and test and keep their group: the path is made once, and the child ranks,
     which inherit it and run this launcher's code too, keep it.
     """
-    if not launches_ranks or num_nodes != 1 or not _loopback(os.environ.get("MASTER_ADDR", "127.0.0.1")):
+    if not launches_ranks or num_nodes != 1 or not _loopback(launch_context().master_addr or "127.0.0.1"):
         return
     if STORE_ENV in os.environ and not fresh:
         return
@@ -60,10 +62,15 @@ def _remove_if_empty(directory: str) -> None:
         os.rmdir(directory)
 
 
+def local_store_path() -> str | None:
+    """The file store the launcher made for this launch's ranks (None: none, e.g. several nodes)."""
+    return os.environ.get(STORE_ENV)
+
+
 def init_group_with_local_store(backend: str, timeout: dt.timedelta, device: torch.device, rank: int,
                                 world_size: int) -> dist.Store | None:
     """In each rank: start the default group on the launcher's file store and return it; None when there is none."""
-    path = os.environ.get(STORE_ENV)
+    path = local_store_path()
     if not path or dist.is_initialized():
         return None
     store = dist.FileStore(path, world_size)

@@ -29,7 +29,6 @@ on a backend now in maintenance mode), so the transport and the update rules are
 from __future__ import annotations
 
 import datetime as dt
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -47,7 +46,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from src.runtime.exit_cleanup import destroy_default_group_at_exit, release_before_destroy
-from src.runtime.local_store import STORE_ENV
+from src.runtime.local_store import local_store_path
 from src.runtime.sigterm import Preempted, SigtermSync, install_stop_handlers, stop_for_preemption
 from src.strategies.ddp import DDPStrategy
 from src.strategies.launchers import PSSubprocessLauncher
@@ -221,16 +220,15 @@ class ParameterServerStrategy(DDPStrategy):
             destroy_default_group_at_exit()
 
     def _rendezvous_store(self) -> dist.Store:
-        """The store the ranks meet on: the launcher's file on one node, else torch's ``env://`` TCP store (hosted
-        by rank 0, or joined in torchrun's agent)."""
-        path = os.environ.get(STORE_ENV)
+        """The store the ranks meet on: the launcher's file on one node, else torch's TCP store at the main
+        address (hosted by rank 0, or joined in torchrun's agent)."""
+        path = local_store_path()
         if path and self.num_nodes == 1:
             store = dist.FileStore(path, -1)  # -1: workers come and go, so no count of users may delete it
             store.set_timeout(self.collective_timeout)
             return store
-        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
-        store, _, _ = next(dist.rendezvous("env://", self.global_rank, self.world_size, timeout=self.collective_timeout))
+        address = f"tcp://{self.cluster_environment.main_address}:{self.cluster_environment.main_port}"
+        store, _, _ = next(dist.rendezvous(address, self.global_rank, self.world_size, timeout=self.collective_timeout))
         return store
 
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
