@@ -8,6 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch import nn
 
+from src.run.status import continues_own_run
 from src.utils.errors import CheckpointError, ConfigError
 
 
@@ -62,10 +63,11 @@ LAST_CHECKPOINT = Path("checkpoints") / "last.ckpt"
 
 def resume_checkpoint(cfg: DictConfig, run_dir: str | Path) -> str | None:
     """The checkpoint ``fit`` starts from: ``ckpt_path``, else (``auto_resume``) the run dir's ``last.ckpt``."""
+
     if cfg.get("ckpt_path"):
         return str(cfg.ckpt_path)
     last = Path(run_dir) / LAST_CHECKPOINT
-    if cfg.get("train") and cfg.get("auto_resume") and last.exists():  # a file, or trainer=fsdp's folder
+    if continues_own_run(cfg) and last.exists():  # a file, or trainer=fsdp's folder
         return str(last)
     return None
 

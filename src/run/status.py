@@ -115,10 +115,16 @@ def task_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
+def continues_own_run(cfg: DictConfig) -> bool:
+    """Whether this training continues what its own run dir holds (``auto_resume``, no ``ckpt_path``): the one
+    reading of ``auto_resume`` on the task's side; the directory itself is chosen by :mod:`src.run.directory`."""
+    return bool(cfg.get("train") and cfg.get("auto_resume") and not cfg.get("ckpt_path"))
+
+
 def completed_task(cfg: DictConfig) -> dict[str, float] | None:
     """The recorded metrics when this run dir already finished this very command (a requeue or relaunch with
     ``auto_resume``; an explicit ``ckpt_path`` always trains), else None."""
-    if not cfg.get("train") or not cfg.get("auto_resume") or cfg.get("ckpt_path"):
+    if not continues_own_run(cfg):
         return None
     return completed_run(cfg.paths.output_dir, task_overrides())
 
