@@ -107,7 +107,11 @@ def fit(cfg: DictConfig, trainer: L.Trainer, model: L.LightningModule, datamodul
         # resumed from the final checkpoint of a run that had finished training: fit logged nothing, so
         # validate the final weights, which gives what the uninterrupted run's last validation gave
         log.info(f"Training had already finished at step {trainer.global_step}: validating the final weights")
-        trainer.validate(model=model, datamodule=datamodule, verbose=False)
+        loggers, trainer.loggers = trainer.loggers, []  # the run logged this validation before its final checkpoint
+        try:
+            trainer.validate(model=model, datamodule=datamodule, verbose=False)
+        finally:
+            trainer.loggers = loggers
 
 
 from src.utils.hydra_errors import hydra_main  # noqa: E402

@@ -41,19 +41,24 @@ class LastCheckpoint(ModelCheckpoint):
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning's progress bar computes the epoch's synced metrics on rank 0 alone in this hook (one
+        # collective each); computing them on every rank before the save's collectives keeps one order
+        _ = trainer.callback_metrics
         self.save(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pass  # mid-epoch validation changes no weights: the step's own save covers it
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.save(trainer)
+        for logger in trainer.loggers:  # what the run logged is on disk before the checkpoint that ends it
+            logger.save()
+        self.save(trainer, final=True)  # also after an epoch-end save: the loops now count that epoch as done
 
-    def save(self, trainer: L.Trainer) -> None:
-        """Write ``last.ckpt`` on every rank's call (rank 0 writes), once per global step."""
+    def save(self, trainer: L.Trainer, final: bool = False) -> None:
+        """Write ``last.ckpt`` on every rank's call (rank 0 writes): once per global step, and when fit ends."""
         if trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
-        if trainer.global_step == self._saved_step:  # e.g. the epoch's end right after its last step's save
+        if trainer.global_step == self._saved_step and not final:  # e.g. the epoch's end right after its step
             return
         trainer.save_checkpoint(self.path, weights_only=False)
         self.last_model_path = str(self.path)
