@@ -25,6 +25,7 @@ class LastCheckpoint(ModelCheckpoint):
     def __init__(self, dirpath: str | Path, every_n_train_steps: int = 1000) -> None:
         super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps,
                          enable_version_counter=False)
+        self.every_n_steps = every_n_train_steps
         self._saved_step = -1
 
     @property
@@ -36,8 +37,7 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        n = self._every_n_train_steps
-        if n and trainer.global_step % n == 0:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
