@@ -41,7 +41,7 @@ train-pipeline: $(STAMP) ## Pipeline parallel: the model split into DEVICES stag
 train-torchrun: $(STAMP) ## DDP under torchrun (one node, DEVICES processes)
 	torchrun --standalone --nproc_per_node=$(DEVICES) src/train.py trainer=ddp trainer.devices=$(DEVICES) $(ARGS)
 
-test: $(STAMP) ## Run the whole test suite (multi-process tests included; about 45 min on 2 cores)
+test: $(STAMP) ## Run the whole test suite (multi-process tests included; about 32 min on 2 cores)
 	$(PYTHON) -m pytest -q
 
 test-fast: $(STAMP) ## Run the quick subset (pytest -m fast)
