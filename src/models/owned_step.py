@@ -53,14 +53,15 @@ class OwnedStep:
 
     @property
     def automatic_optimization(self) -> bool:
-        trainer = self._trainer
-        if trainer is None:
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # not attached to a Trainer (yet): nothing to decide
             return True
         if self._owned_for is None or self._owned_for[0] is not trainer:
             blocker = owned_step_blocker(trainer, self.hparams.get("owned_step", "auto"))
             if blocker is not None and blocker != "model.owned_step=false":
                 log.info(f"Lightning's automatic optimization runs the training step: {blocker}")
-            object.__setattr__(self, "_owned_for", (trainer, blocker is None))
+            self._owned_for = (trainer, blocker is None)
         return not self._owned_for[1]
 
     def owned_training_step(self, batch: Any, batch_idx: int) -> Tensor:
