@@ -8,18 +8,24 @@ step where Lightning steps them: after the epoch's validation.
 
 It runs where the strategy says its step is the module's (``runs_owned_step``: single device and DDP)
 and the Trainer asks nothing of automatic optimization (gradient clipping, accumulation). Elsewhere the
-step is Lightning's, said once in an info line. ``owned_step``: ``auto`` (the default) owns it on a CPU
-only, since it has not run on a GPU yet; ``true`` on any device; ``false`` never.
+step is Lightning's, said once in an info line. ``owned_step``: ``auto`` and ``true`` own it where it can
+run (``true`` is kept for configs that name it); ``false`` never.
+
+On one CUDA device the owned step is captured as a CUDA graph and replayed (``step_capture``,
+:mod:`src.models.step_capture`): ``auto`` (the default) captures where the run is eligible and says in
+one info line why not elsewhere; ``true`` refuses an ineligible run; ``false`` never captures.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning as L
 from torch import Tensor
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from src.models.step_capture import GRAPHS, StepCapture, capture_blocker, learning_rates_as_floats
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 from src.utils.hooks import RunsOwnedStep
@@ -35,8 +41,6 @@ def owned_step_blocker(trainer: L.Trainer, mode: str | bool) -> str | None:
     strategy = trainer.strategy
     if not (isinstance(strategy, RunsOwnedStep) and strategy.runs_owned_step):
         return f"{type(strategy).__name__} runs its own step"
-    if mode == "auto" and strategy.root_device.type != "cpu":
-        return f"model.owned_step=auto owns it on a CPU only until it has run on a {strategy.root_device.type}"
     if trainer.gradient_clip_val:
         return "gradient clipping is set on the Trainer (gradient_clip_val)"
     if trainer.accumulate_grad_batches != 1:
@@ -50,6 +54,8 @@ class OwnedStep:
     scheduler_monitor: str  # the metric a ReduceLROnPlateau scheduler follows
     _owned_for: tuple[Any, bool] | None = None  # (trainer, owns): decided once per trainer
     _epoch_ran_to_end = False  # the last owned step was its epoch's last batch
+    _capture: StepCapture | None = None  # this fit's captured step (None: eager)
+    step_capture_counts = (0, 0)  # (captures, replayed steps) of the last fit
 
     @property
     def automatic_optimization(self) -> bool:
@@ -64,13 +70,40 @@ class OwnedStep:
             self._owned_for = (trainer, blocker is None)
         return not self._owned_for[1]
 
+    def on_train_start(self) -> None:
+        """Decide, once per fit, whether the owned step is captured (the optimizers and callbacks exist now)."""
+        self._capture = None
+        mode = self.hparams.get("step_capture", "auto")
+        blocker = capture_blocker(self.trainer, self, mode)
+        if blocker is None:
+            step_lr = any(c.interval == "step" for c in self.trainer.lr_scheduler_configs)
+            self._capture = StepCapture(self, GRAPHS[self.device.type], lr_on_device=step_lr)
+            log.info("the training step is captured as a graph after its warm-up steps and replayed")
+        elif mode is True:
+            raise ConfigError(f"model.step_capture=true cannot capture this run: {blocker}; fix: set "
+                              "model.step_capture=auto (capture where it can) or false")
+        elif mode == "auto" and not self.automatic_optimization:
+            log.info(f"the owned training step runs eagerly: {blocker}")
+
+    def on_train_end(self) -> None:
+        capture, self._capture = self._capture, None  # frees the graph and its memory pool
+        if capture is not None:
+            self.step_capture_counts = (capture.captures, capture.replayed)
+            log.info(f"{capture.replayed} of {self.trainer.global_step} training steps ran as replays of "
+                     f"{capture.captures} captured graph(s)")
+
     def owned_training_step(self, batch: Any, batch_idx: int) -> Tensor:
         """One optimizer step, in the order Lightning's closure runs it, then the schedulers Lightning would step."""
-        optimizer = self.optimizers()
-        loss = self.record_step("train", self.model_step(batch))
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        optimizer.step()
+        capture = self._capture
+        if capture is not None and capture.can_replay(batch):
+            loss = self.record_step("train", capture.step(batch))
+        else:
+            with capture.eager_step(batch) if capture is not None else contextlib.nullcontext():
+                optimizer = self.optimizers()
+                loss = self.record_step("train", self.model_step(batch))
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                optimizer.step()
         self._epoch_ran_to_end = batch_idx + 1 == self.trainer.num_training_batches
         self._step_schedulers(batch_idx)
         return loss.detach()
@@ -109,6 +142,9 @@ class OwnedStep:
                 raise ConfigError(f"ReduceLROnPlateau follows {self.scheduler_monitor}, which was not logged; fix: "
                                   f"set scheduler_monitor to one of {sorted(trainer.callback_metrics)}")
             self.lr_scheduler_step(config.scheduler, value)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        learning_rates_as_floats(checkpoint)  # a captured step may hold them as device tensors
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint of either mode resumes in either: its step count moves to this run's counter."""

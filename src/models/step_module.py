@@ -56,8 +56,11 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         float32_matmul_precision: ``torch.set_float32_matmul_precision`` for this process (``high``: TF32 on
             GPUs that have it, for 32-true runs); ``None`` leaves torch's setting.
         owned_step: the module runs its own training step where the strategy allows it (single device, DDP):
-            the same numbers as Lightning's automatic optimization (:mod:`src.models.owned_step`). ``"auto"``:
-            on a CPU only (not run on a GPU yet); ``True``: on any device; ``False``: Lightning's step.
+            the same numbers as Lightning's automatic optimization (:mod:`src.models.owned_step`). ``"auto"``
+            or ``True``: wherever it can run; ``False``: Lightning's step.
+        step_capture: on one CUDA device, capture the owned step as a CUDA graph and replay it
+            (:mod:`src.models.step_capture`). ``"auto"``: where the run is eligible; ``True``: refuse a run
+            that is not; ``False``: never.
     """
 
     best_of: str | None = None
@@ -75,6 +78,7 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         channels_last: bool = False,
         float32_matmul_precision: str | None = None,
         owned_step: bool | str = "auto",
+        step_capture: bool | str = "auto",
     ) -> None:
         super().__init__()
         # Only plain values go into the checkpoint's hparams, so it loads with torch.load(weights_only=True):
@@ -139,6 +143,7 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         torch.cuda.manual_seed(seed)  # the current device only (lazily, if CUDA is not initialised yet)
 
     def on_train_start(self) -> None:
+        super().on_train_start()  # OwnedStep: whether the step is captured
         if self.best_of and self.trainer.ckpt_path is None:  # a resume restored it (ResumeMetricState)
             getattr(self, f"val_{self.best_of}_best").reset()
 

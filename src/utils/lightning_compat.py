@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities import distributed as fabric_distributed
 from lightning.fabric.utilities import optimizer as fabric_optimizer
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops import training_epoch_loop
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
@@ -119,6 +120,8 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: SetInInit(signal_connector._SignalConnector), "received_sigterm", "the SIGTERM stop outside fit"),
     (lambda: SetInInit(Trainer), "_signal_connector", "the agreed SIGTERM stop"),
     (lambda: SetInInit(LightningModule), "_current_fx_name", "fast hook-name writes"),
+    (lambda: SetInInit(LightningOptimizer), "_on_before_step", "counting a replayed (captured) step"),
+    (lambda: SetInInit(LightningOptimizer), "_on_after_step", "counting a replayed (captured) step"),
     (lambda: fabric_optimizer, "_optimizers_to_device", "moving a pipeline stage's optimizer state"),
     (lambda: nn.Module, "_replicate_for_data_parallel", "dp replicas on CPU"),
     (lambda: SetInInit(nn.Module), "_parameters", "dp replicas on CPU"),
@@ -368,6 +371,13 @@ check_private_names()
 # -- a checkpoint's optimizer-step counters, automatic and manual optimization --------------------------
 _AUTOMATIC_STEPS = "epoch_loop.automatic_optimization.optim_progress"  # {"optimizer": {"step": Progress}}
 _MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"  # Progress
+
+
+def count_manual_step(optimizer: LightningOptimizer) -> None:
+    """Count one optimizer step in Lightning's manual-optimization progress, as ``optimizer.step()`` does,
+    for a step whose device work ran as a graph replay (``global_step`` and checkpoints follow the count)."""
+    optimizer._on_before_step()
+    optimizer._on_after_step()
 
 
 def carry_optimizer_steps(checkpoint: dict, to_manual: bool) -> None:
