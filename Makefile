@@ -11,7 +11,7 @@ STAMP := .make/installed
 
 .DEFAULT_GOAL := help
 .PHONY: help install train train-ddp train-ddp-spawn train-dp train-pipeline train-torchrun test test-fast test-slow \
-        lint format clean synthetic-cifar10 gpu-check train-gpu-ddp train-multinode bench bench-full \
+        lint format clean synthetic-cifar10 gpu-check gpu-verify train-gpu-ddp train-multinode bench bench-full \
         clean-logs pre-commit
 
 help: ## Show this help
@@ -77,6 +77,9 @@ gpu-check: ## Show GPUs, their interconnect and what torch sees
 	nvidia-smi
 	nvidia-smi topo -m
 	$(PYTHON) -c "import torch; print('cuda', torch.cuda.is_available(), 'gpus', torch.cuda.device_count(), 'nccl', torch.distributed.is_nccl_available())"
+
+gpu-verify: ## On a GPU machine: GPU tests + GPU bench rows (MLP, ResNet18; capture on/off) -> bench_results/gpu-<time>/
+	PYTHON=$(PYTHON) bash scripts/gpu_verify.sh
 
 train-gpu-ddp: $(STAMP) ## DDP over all GPUS of this machine with nccl
 	$(PYTHON) src/train.py trainer=ddp trainer.accelerator=gpu trainer.devices=$(GPUS) $(ARGS)
