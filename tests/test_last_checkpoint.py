@@ -27,3 +27,21 @@ def test_last_ckpt_holds_the_weights_in_memory_when_fit_ends_between_intervals(m
     memory = model.state_dict()
     assert saved["state_dict"].keys() == memory.keys()
     assert all(torch.equal(saved["state_dict"][k], memory[k]) for k in memory)
+
+
+@pytest.mark.parametrize("model", ["toy", "mlp"])
+def test_max_steps_shorter_than_an_epoch_validates_its_last_step(make_cfg, model):
+    """``max_steps`` before any validation: no early-stopping error; the last step is validated, the best
+    checkpoint and ``last.ckpt`` hold it."""
+    data = ["data=toy"] if model == "toy" else []
+    cfg = make_cfg("train", [f"model={model}", *data, "++trainer.limit_train_batches=10", "trainer.max_epochs=2",
+                             "+trainer.max_steps=4", "test=false"])
+    metrics, objects = train(cfg)
+    trainer = objects["trainer"]
+    assert trainer.global_step == 4  # of 10 steps in the first epoch
+    monitored = trainer.early_stopping_callback.monitor
+    assert monitored in metrics and trainer.early_stopping_callback.wait_count == 0
+    best = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=True)
+    assert best["global_step"] == 4
+    (owner,) = [cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)]
+    assert torch.load(owner.path, weights_only=True)["global_step"] == 4

@@ -15,17 +15,20 @@ from src.checkpointing.continue_logs import ContinueLogs
 from src.checkpointing.epoch_restart import EpochRestartFix
 from src.checkpointing.last_checkpoint import LastCheckpoint
 from src.checkpointing.resume_state import ResumeMetricState, ResumeRandomState
+from src.checkpointing.step_limit import StopAtStepLimit
 from src.checkpointing.stop_signals import StopSignals
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
-REQUIRED = (LastCheckpoint, ResumeRandomState, ResumeMetricState, EpochRestartFix, StopSignals, ContinueLogs)
+REQUIRED = (LastCheckpoint, ResumeRandomState, ResumeMetricState, EpochRestartFix, StopSignals, StopAtStepLimit,
+            ContinueLogs)
 
 
 def resume_callbacks(run_dir: str | Path, last_ckpt_every_n_train_steps: int = 1000) -> list[Callback]:
     """``last.ckpt`` (every N steps, each epoch's end, fit's end), every rank's random and metric state, the
-    epoch-restart fix, one-process stop signals, and loggers that replace the rows a resume replays."""
-    return [ResumeRandomState(), ResumeMetricState(), EpochRestartFix(), StopSignals(), ContinueLogs(),
+    epoch-restart fix, one-process stop signals, a validated stop at ``max_steps``, and loggers that replace the
+    rows a resume replays."""
+    return [ResumeRandomState(), ResumeMetricState(), EpochRestartFix(), StopSignals(), StopAtStepLimit(), ContinueLogs(),
             LastCheckpoint(Path(run_dir) / "checkpoints", last_ckpt_every_n_train_steps)]
 
 
