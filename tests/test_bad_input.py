@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 
-from src.data.mnist_datamodule import MNISTDataModule
+from src.data.mnist_datamodule import FashionMNISTDataModule, MNISTDataModule
 from src.utils.errors import CheckpointError, ConfigError, DataError
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
@@ -66,7 +66,7 @@ def test_batch_not_divisible_by_replicas_fails_before_launch(tmp_path):
 
 @pytest.mark.fast
 def test_missing_data_names_the_fixes(tmp_path):
-    dm = MNISTDataModule(data_dir=str(tmp_path), system_dir=str(tmp_path / "nowhere"), download=False)
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path), system_dir=str(tmp_path / "nowhere"), download=False)
     with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist") as err:
         dm.prepare_data()
     assert str(tmp_path) in str(err.value)
@@ -76,12 +76,12 @@ def test_missing_data_names_the_fixes(tmp_path):
 def test_corrupt_data_file_is_named(tmp_path):
     raw = tmp_path / "FashionMNIST" / "raw"
     raw.mkdir(parents=True)
-    MNISTDataModule(data_dir=str(ROOT / "data")).prepare_data()
+    FashionMNISTDataModule(data_dir=str(ROOT / "data")).prepare_data()
     for path in FASHION_RAW.iterdir():
         shutil.copy(path, raw / path.name)
     bad = raw / "train-images-idx3-ubyte"
     bad.write_bytes(bad.read_bytes()[:1000])  # truncated
-    dm = MNISTDataModule(data_dir=str(tmp_path), download=False)
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path), download=False)
     with pytest.raises(DataError, match="corrupt data file .*train-images-idx3-ubyte"):
         dm.setup()
 
@@ -441,11 +441,11 @@ def test_unwritable_data_dir(tmp_path, where):
 @pytest.mark.fast
 def test_data_dir_check_needs_no_write_when_the_files_are_there(tmp_path):
     """A read-only data_dir that already holds the files is fine: only a missing file needs writing."""
-    dm = MNISTDataModule(data_dir=str(ROOT / "data"))
+    dm = FashionMNISTDataModule(data_dir=str(ROOT / "data"))
     dm.prepare_data()
     dm.check_data_dir()  # present: nothing to check
     with pytest.raises(DataError, match="cannot write the fashion_mnist files into /proc/nope"):
-        MNISTDataModule(data_dir="/proc/nope").check_data_dir()
+        FashionMNISTDataModule(data_dir="/proc/nope").check_data_dir()
 
 
 def _checkpoint_case(tmp_path: Path, kind: str) -> Path:

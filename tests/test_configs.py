@@ -107,3 +107,28 @@ def test_every_option_in_the_readme_table_exists():
     assert checked <= documented.keys()
     for group in checked:
         assert documented[group] == set(options(group)), group
+
+
+@pytest.mark.fast
+def test_mnist_datamodule_loads_mnist_and_the_fashion_one_fashion_mnist(mnist_format_dir):
+    """As in ashleve's template, ``MNISTDataModule()`` is MNIST; the offline default is ``FashionMNISTDataModule``."""
+    from src.data.mnist_datamodule import FashionMNISTDataModule, MNISTDataModule
+
+    mnist = MNISTDataModule(data_dir=str(mnist_format_dir), download=False)
+    mnist.prepare_data()
+    mnist.setup()
+    assert mnist.hparams.dataset == "mnist" and mnist.dataset_cls.__name__ == "MNIST"
+    assert len(mnist.data_train) + len(mnist.data_val) == 60_000
+    assert FashionMNISTDataModule().dataset_cls.__name__ == "FashionMNIST"
+
+
+@pytest.mark.fast
+def test_src_utils_exports_ashleves_names_without_importing_lightning():
+    import subprocess
+    import sys
+
+    code = ("import sys, src.utils.errors; assert 'lightning' not in sys.modules; "
+            "from src.utils import extras, task_wrapper, get_metric_value, instantiate_callbacks, instantiate_loggers, "
+            "log_hyperparameters, print_config_tree, RankedLogger; print(task_wrapper.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "src.utils.task"

@@ -129,10 +129,10 @@ def test_eval_shards_unpadded(ddp_runs):
 
 @pytest.mark.slow
 def test_synced_val_and_test_metrics_are_exact(ddp_runs):
-    from src.data.mnist_datamodule import MNISTDataModule
+    from src.data.mnist_datamodule import FashionMNISTDataModule
 
     (r0, r1), _, _ = ddp_runs
-    dm = MNISTDataModule(data_dir=str(ROOT / "data"), val_size=4999, batch_size=64)
+    dm = FashionMNISTDataModule(data_dir=str(ROOT / "data"), val_size=4999, batch_size=64)
     dm.prepare_data()
     dm.setup()
     for split, dataset in (("val", dm.data_val), ("test", dm.data_test)):

@@ -15,7 +15,10 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from src.train import train
 from tests.helpers.config import CONFIG_DIR, ROOT
 
-EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+# ashleve's config names, kept as aliases of this template's configs (docs/coming-from.md)
+ALIASES = {"experiment=example": "experiment=fashion_mnist_mlp", "model=mnist": "model=mlp",
+           "trainer=ddp_sim": "trainer=ddp_spawn"}
+EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml") if f"experiment={p.stem}" not in ALIASES)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +52,23 @@ def test_experiment_runs(name, make_cfg, request):
     assert objects["trainer"].global_step == 2
     assert math.isfinite(float(metrics["test/loss"]))
     assert objects["trainer"].checkpoint_callback.best_model_path
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("alias", "target"), ALIASES.items())
+def test_ashleves_config_names_compose_as_their_targets(make_cfg, alias, target):
+    from omegaconf import OmegaConf
+
+    def composed(override: str) -> dict:
+        cfg = OmegaConf.to_container(make_cfg("train", [override], subdir=override, tiny=False).copy(), resolve=False)
+        cfg.pop("hydra"), cfg.pop("paths")  # paths: each its own output dir
+        return cfg
+
+    mine, theirs = composed(target), composed(alias)
+    if alias == "trainer=ddp_sim":  # DDP simulated on the CPU: 2 spawned processes
+        assert (theirs["trainer"].pop("accelerator"), theirs["trainer"].pop("devices")) == ("cpu", 2)
+        mine["trainer"].pop("accelerator"), mine["trainer"].pop("devices")
+    assert theirs == mine
 
 
 @pytest.mark.fast

@@ -14,7 +14,7 @@ import torch
 from lightning import Callback, LightningModule, Trainer
 from torch import nn
 
-from src.data.mnist_datamodule import MNISTDataModule
+from src.data.mnist_datamodule import FashionMNISTDataModule
 from tests.helpers.entry import run_entry
 from tests.helpers.run_if import requires_2_gpus
 
@@ -102,7 +102,7 @@ def test_augmentation_stream_depends_on_rank_and_seed_only():
     images = torch.randint(0, 256, (64, 1, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
 
     def augment(rank: int, seed: int = 12345) -> torch.Tensor:
-        dm = MNISTDataModule(augment=True, seed=seed)
+        dm = FashionMNISTDataModule(augment=True, seed=seed)
         dm.trainer = SimpleNamespace(global_rank=rank)
         torch.manual_seed(0)  # the global stream plays no part
         return dm.transform_batch(images, training=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,7 +27,8 @@ SYSTEM_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist"}
 
 
 class MNISTDataModule(InMemoryDataModule):
-    """28x28 grayscale, 10 classes; ``dataset`` is ``mnist`` or ``fashion_mnist``.
+    """28x28 grayscale, 10 classes; ``dataset`` is ``mnist`` (the default, as the class name says) or
+    ``fashion_mnist`` (:class:`FashionMNISTDataModule`, the template's offline default).
 
     ``prepare_data`` (rank 0 of each node only) finds the files in this order:
     ``data_dir/<Class>/raw``; the system folder (``system_dir``), extracted into
@@ -38,7 +40,7 @@ class MNISTDataModule(InMemoryDataModule):
 
     def __init__(
         self,
-        dataset: str = "fashion_mnist",
+        dataset: str = "mnist",
         data_dir: str = "data/",
         system_dir: str | None = None,
         download: bool = True,
@@ -131,6 +133,15 @@ class MNISTDataModule(InMemoryDataModule):
         if self.hparams.dataset == "fashion_mnist":  # clothing is left-right symmetric; digits are not
             images = random_hflip(images, generator=generator)
         return images
+
+
+
+class FashionMNISTDataModule(MNISTDataModule):
+    """Fashion-MNIST: MNIST's format and size, clothing instead of digits. Debian/Ubuntu install it offline
+    (``dataset-fashion-mnist``), which makes it the template's default data (``configs/data/fashion_mnist.yaml``)."""
+
+    def __init__(self, dataset: str = "fashion_mnist", **kwargs: Any) -> None:
+        super().__init__(dataset=dataset, **kwargs)
 
 
 def _read(reader, path: Path) -> Tensor:
