@@ -34,10 +34,10 @@ def project_batch_ms(batch_size: int = 128, count: int = 200, accelerator: str =
     placed as a trainer on ``accelerator`` places it (on a GPU: timed up to ``torch.cuda.synchronize()``)."""
     from types import SimpleNamespace
 
-    from src.data.mnist_datamodule import MNISTDataModule
+    from src.data.mnist_datamodule import FashionMNISTDataModule
 
     device = torch.device("cuda" if accelerator == "gpu" else "cpu")
-    dm = MNISTDataModule(data_dir=str(ROOT / "data"), batch_size=batch_size,
+    dm = FashionMNISTDataModule(data_dir=str(ROOT / "data"), batch_size=batch_size,
                          system_dir="/usr/share/datasets/fashion-mnist")
     dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=device), global_rank=0)  # what setup reads
     dm.prepare_data()
@@ -57,9 +57,9 @@ def per_sample_batch_ms(workers: int, batch_size: int = 128, count: int = 100) -
 def ensure_data(workload: str = "mlp") -> None:
     """Extract Fashion-MNIST into ``data/`` (as ``src/train.py`` would) so the plain scripts find it; for the
     resnet18 workload, write the synthetic CIFAR-10 files (``make synthetic-cifar10``) if they are missing."""
-    from src.data.mnist_datamodule import MNISTDataModule
+    from src.data.mnist_datamodule import FashionMNISTDataModule
 
-    MNISTDataModule(data_dir=str(ROOT / "data"), system_dir="/usr/share/datasets/fashion-mnist").prepare_data()
+    FashionMNISTDataModule(data_dir=str(ROOT / "data"), system_dir="/usr/share/datasets/fashion-mnist").prepare_data()
     if workload == "resnet18" and not (SYNTHETIC_CIFAR10 / "cifar-10-batches-py").is_dir():
         import subprocess
 
