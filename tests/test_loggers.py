@@ -135,3 +135,16 @@ def test_dotenv_keys_loaded_shell_wins(tmp_path, monkeypatch):
     LoadDotenv(str(env_file)).on_job_start(config=None)
     assert os.environ["LHT_TEST_KEY"] == "from-file"
     assert os.environ["LHT_TEST_SHELL"] == "from-shell"
+
+
+@pytest.mark.slow
+def test_a_ddp_spawn_multirun_logs_every_job_to_wandb(tmp_path):
+    """Job 1 of a ``trainer=ddp_spawn logger=wandb`` multirun attaches to the wandb service job 0 started: the
+    variable wandb keeps it in outlives the job (``hydra_launch.KEPT_ACROSS_JOBS``). Before, job 1 failed."""
+    pytest.importorskip("wandb")
+    proc = run_entry("train", "-m", *TINY, "trainer=ddp_spawn", "trainer.devices=2", "logger=wandb", "seed=1,2",
+                     "test=false", f"paths.log_dir={tmp_path}", env={"WANDB_SILENT": "true", "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted(tmp_path.glob("train/multiruns/*/*/wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 2, runs
+    assert {_wandb_config(run)["seed"] for run in runs} == {1, 2}

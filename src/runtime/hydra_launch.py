@@ -19,17 +19,24 @@ from typing import Any
 
 from src.runtime.exit_cleanup import destroy_default_group
 
+# Set once by a service that lives as long as the process, and needed by every later job: wandb starts
+# its service in the first job's wandb.init and later inits attach to it through this variable.
+KEPT_ACROSS_JOBS = ("WANDB_SERVICE",)
+
 
 @contextlib.contextmanager
 def isolated_job() -> Iterator[None]:
-    """Restore ``os.environ`` and destroy the default process group when a job ends, whatever happened."""
+    """Restore ``os.environ`` (but :data:`KEPT_ACROSS_JOBS`) and destroy the default process group when a job
+    ends, whatever happened."""
     saved = dict(os.environ)
     try:
         yield
     finally:
         destroy_default_group()
+        kept = {name: os.environ[name] for name in KEPT_ACROSS_JOBS if name in os.environ}
         os.environ.clear()
         os.environ.update(saved)
+        os.environ.update(kept)
 
 
 def entry_command(hc: Any) -> list[str]:
