@@ -88,7 +88,7 @@ def trained_run(tmp_path_factory) -> Path:
 def _run_overrides(command: str, logs: Path, request) -> list[str]:
     """A few batches, output under ``logs``, and offline stand-ins for data that would be downloaded."""
     args = [*FEW_BATCHES, f"paths.log_dir={logs}"]
-    if "src/eval.py" not in command:  # the last value wins: a resumed run trains one epoch more
+    if "src/eval.py" not in command and "src/predict.py" not in command:  # the last value wins: a resumed run trains one epoch more
         args.insert(0, f"trainer.max_epochs={2 if 'ckpt_path=' in command else 1}")
     if re.search(r"\b(data|experiment)=cifar10", command) and "data.data_dir=" not in command:
         args += [f"data.data_dir={SYNTHETIC_CIFAR10}", "data.verify_checksums=false"]  # no download here

@@ -180,10 +180,10 @@ class InMemoryDataModule(LightningDataModule):
         return self._loader(self.data_train, sampler=sampler, drop_last=True, loader_class=ResumableDataLoader)
 
     def val_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.data_val)
+        return self.eval_loader(self.data_val)
 
     def test_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.data_test)
+        return self.eval_loader(self.data_test)
 
     def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
         inputs, targets = batch
@@ -261,7 +261,8 @@ class InMemoryDataModule(LightningDataModule):
             **kwargs,
         )
 
-    def _eval_loader(self, dataset: InMemoryDataset) -> DataLoader:
+    def eval_loader(self, dataset: InMemoryDataset) -> DataLoader:
+        """In order, each sample once across ranks (validation, test and prediction)."""
         replicas, rank = self._replicas()
         if replicas == 1:
             return self._loader(dataset, shuffle=False)

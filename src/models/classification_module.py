@@ -34,6 +34,10 @@ class ClassificationModule(StepModule):
     def criterion(self, output: Tensor, target: Tensor) -> Tensor:
         return F.cross_entropy(output, target)
 
+    def prediction(self, output: Tensor) -> Tensor:
+        """Each class's probability (softmax over the logits, in float32)."""
+        return F.softmax(output.float(), dim=1)
+
     def record_step(self, stage: str, out: StepOutput) -> Tensor:
         loss, target = out["loss"], out["target"]
         loss_metric, acc_metric = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_acc")

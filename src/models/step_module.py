@@ -129,6 +129,13 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.record_step("test", self.model_step(batch))
 
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.prediction(self(batch[0]))
+
+    def prediction(self, output: Tensor) -> Tensor:
+        """What ``src/predict.py`` writes for one batch of network output (here the output itself)."""
+        return output
+
     def on_fit_start(self) -> None:
         """From here on, this rank draws dropout masks (and the model's other random ops) from its own stream.
 

@@ -1,0 +1,30 @@
+"""A data module that serves prediction inputs through another data module's loaders and transforms."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning import LightningDataModule
+from torch.utils.data import DataLoader
+
+from src.data.components.in_memory import InMemoryDataset
+from src.data.in_memory_datamodule import InMemoryDataModule
+
+
+class PredictDataModule(LightningDataModule):
+    """``predict_dataloader`` over ``dataset``, batched, sharded without padding across ranks, and normalized
+    on the device, all as ``source`` does for its test split; nothing to prepare or set up (the inputs are
+    loaded already: :func:`src.data.predict_inputs.load_inputs`)."""
+
+    def __init__(self, source: InMemoryDataModule, dataset: InMemoryDataset) -> None:
+        super().__init__()
+        self.source, self.dataset = source, dataset
+
+    def setup(self, stage: str) -> None:
+        self.source.trainer = self.trainer  # its loaders shard by the trainer's world size
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.source.eval_loader(self.dataset)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.source.on_after_batch_transfer(batch, dataloader_idx)

@@ -1,0 +1,122 @@
+"""What ``src/predict.py`` runs a model on: a data module's split, a folder of images, or a tensor file.
+
+Every form becomes the data module's own stored form (uint8 images ``(N, C, H, W)``, or its split as set
+up), so the module's ``on_after_batch_transfer`` normalizes them exactly as in training. Each input keeps
+a source name (a file name, or ``split[i]``) for the CSV, and its label where it has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from src.data.components.in_memory import InMemoryDataset
+from src.utils.errors import DataError
+from src.utils.pylogger import RankedLogger
+
+log = RankedLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+TENSOR_SUFFIXES = (".npy", ".pt")
+NO_LABEL = -1
+
+
+@dataclass
+class PredictInputs:
+    dataset: InMemoryDataset  # targets: the labels, or NO_LABEL
+    sources: list[str]
+
+    @property
+    def labelled(self) -> bool:
+        return bool((self.dataset.targets != NO_LABEL).all())
+
+
+def load_inputs(source: str, datamodule) -> PredictInputs:
+    """``source``: ``train``/``val``/``test`` (a split of ``datamodule``), a folder of PNG/JPEG files, or a
+    ``.npy``/``.pt`` file of images."""
+    if source in SPLITS:
+        datamodule.prepare_data()
+        datamodule.setup("predict")
+        dataset = getattr(datamodule, f"data_{source}")
+        return PredictInputs(dataset, [f"{source}[{i}]" for i in range(len(dataset))])
+    path = Path(source)
+    shape = datamodule.input_shape
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise DataError(f"input={source} holds no PNG or JPEG file; fix: point input= at a folder of images, a "
+                            f".npy/.pt file, or one of {', '.join(SPLITS)}")
+        images = torch.stack([read_image(p, shape) for p in files])
+        return PredictInputs(unlabelled(images), [p.name for p in files])
+    if path.suffix in TENSOR_SUFFIXES and path.is_file():
+        images = check_images(read_tensor(path), shape, path)
+        return PredictInputs(unlabelled(images), [f"{path.name}[{i}]" for i in range(len(images))])
+    raise DataError(f"input={source} is not {', '.join(SPLITS)}, a folder of images or an existing .npy/.pt file; "
+                    "fix: name one of those")
+
+
+def unlabelled(images: Tensor) -> InMemoryDataset:
+    return InMemoryDataset(images, torch.full((len(images),), NO_LABEL, dtype=torch.long))
+
+
+_converted: set[str] = set()
+
+
+def read_image(path: Path, shape: tuple[int, ...]) -> Tensor:
+    """One image file as uint8 ``(C, H, W)`` in the model's channels and size (each conversion said once)."""
+    from torchvision.io import decode_image
+    from torchvision.transforms.v2 import functional as F
+
+    channels, height, width = shape
+    try:
+        image = decode_image(str(path))
+    except (RuntimeError, ValueError) as err:
+        raise DataError(f"cannot read the image {path} ({err}); fix: remove it or replace it with a PNG or JPEG "
+                        "file") from None
+    image = image[:3] if image.shape[0] == 4 else image  # drop an alpha channel
+    if image.shape[0] != channels:
+        image = F.rgb_to_grayscale(image) if channels == 1 else image.expand(3, -1, -1).contiguous()
+        _say_once(f"images converted to {channels} channel(s), as the model takes them")
+    if tuple(image.shape[1:]) != (height, width):
+        image = F.resize(image, [height, width], antialias=True)
+        _say_once(f"images resized to {height}x{width}, the size the model takes")
+    return image
+
+
+def read_tensor(path: Path) -> Tensor:
+    try:
+        if path.suffix == ".npy":
+            import numpy as np
+
+            return torch.from_numpy(np.load(path, allow_pickle=False))
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # any unreadable file: one line naming it
+        raise DataError(f"cannot read the tensor file {path} ({type(err).__name__}: {err}); fix: save one tensor "
+                        "with numpy.save or torch.save") from None
+    if not isinstance(loaded, Tensor):
+        raise DataError(f"{path} holds a {type(loaded).__name__}, not one tensor; fix: torch.save a single tensor")
+    return loaded
+
+
+def check_images(images: Tensor, shape: tuple[int, ...], path: Path) -> Tensor:
+    """``(N, C, H, W)`` uint8 images (``(N, H, W)`` for one channel; floats in [0, 1] are scaled to uint8)."""
+    if images.dim() == len(shape) and shape[0] == 1:
+        images = images.unsqueeze(1)
+    if images.dim() != len(shape) + 1 or tuple(images.shape[1:]) != tuple(shape):
+        raise DataError(f"{path} holds a tensor of shape {tuple(images.shape)}; fix: give images of shape "
+                        f"(N, {', '.join(map(str, shape))}), uint8 (0-255) or float (0-1)")
+    if images.is_floating_point():
+        images = (images.clamp(0, 1) * 255).round().to(torch.uint8)
+    elif images.dtype != torch.uint8:
+        raise DataError(f"{path} holds {images.dtype} values; fix: give uint8 (0-255) or float (0-1) images")
+    return images
+
+
+def _say_once(message: str) -> None:
+    if message not in _converted:
+        _converted.add(message)
+        log.warning(message)

@@ -1,0 +1,86 @@
+"""A checkpoint's predictions on new data, one CSV row per input.
+
+    python src/predict.py ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt              # the test split
+    python src/predict.py ckpt_path=... input=path/to/images/      # PNG/JPEG files, converted to the model's input
+    python src/predict.py ckpt_path=... input=batch.npy trainer=ddp trainer.devices=2      # the same CSV
+
+Writes ``<run dir>/predictions.csv`` (source, predicted class, label where known, each class's
+probability) in input order, and says the accuracy where every input has a label. Checkpoints of every
+strategy load (an fsdp folder of shards too), as in ``src/eval.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import rootutils
+
+# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/utils/job_setup.py)
+rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True, dotenv=False)
+
+from src.runtime import prompt_exit  # noqa: E402
+
+if __name__ == "__main__":
+    prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
+
+import hydra  # noqa: E402
+import lightning as L  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from src.callbacks.prediction_writer import PredictionWriter  # noqa: E402
+from src.checkpointing.start import check_checkpoint  # noqa: E402
+from src.data.predict_datamodule import PredictDataModule  # noqa: E402
+from src.data.predict_inputs import load_inputs  # noqa: E402
+from src.runtime.hydra_launch import isolated_job  # noqa: E402
+from src.strategies.launchers import preflight  # noqa: E402
+from src.utils.config_checks import check_config  # noqa: E402
+from src.utils.errors import ConfigError  # noqa: E402
+from src.utils.hydra_errors import hydra_main  # noqa: E402
+from src.utils.pylogger import RankedLogger  # noqa: E402
+from src.utils.resolvers import register_resolvers  # noqa: E402
+from src.utils.task import extras, task_wrapper  # noqa: E402
+
+log = RankedLogger(__name__)
+register_resolvers()
+
+
+def require_ckpt_path(cfg: DictConfig) -> None:
+    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.get("ckpt_path"):
+        raise ConfigError("predict.py needs the checkpoint to predict with and ckpt_path is not set; fix: pass it, "
+                          "e.g. ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt")
+
+
+@task_wrapper
+def predict(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Predict with ``cfg.ckpt_path`` on ``cfg.input``; returns ``({"predict/acc": ...} where labelled, objects)``."""
+    require_ckpt_path(cfg)
+    check_config(cfg)
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    check_checkpoint(cfg.ckpt_path, model)
+    inputs = load_inputs(str(cfg.input), datamodule)  # bad input: one line, before anything is written
+    writer = PredictionWriter(Path(cfg.paths.output_dir) / "predictions.csv", inputs.sources,
+                              classification=getattr(model, "task", None) == "classification")
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=[writer], logger=False)
+    preflight(trainer, model, datamodule)
+    objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "trainer": trainer, "writer": writer}
+    log.info(f"Predicting {len(inputs.sources)} inputs ({cfg.input}) with {cfg.ckpt_path}")
+    trainer.predict(model, datamodule=PredictDataModule(datamodule, inputs.dataset), ckpt_path=cfg.ckpt_path,
+                    return_predictions=False)
+    return ({} if writer.accuracy is None else {"predict/acc": writer.accuracy}), objects
+
+
+@hydra_main(version_base="1.3", config_path="../configs", config_name="predict.yaml")  # config errors: 1 line
+def main(cfg: DictConfig) -> None:
+    with isolated_job():
+        require_ckpt_path(cfg)
+        extras(cfg)
+        predict(cfg)
+
+
+if __name__ == "__main__":
+    with prompt_exit.exit_code_recorded():  # then end without the interpreter's teardown
+        main()
