@@ -24,7 +24,7 @@ def options(group: str) -> list[str]:
 
 
 # model -> a data option it pairs with
-PAIRS = {"mlp": "fashion_mnist", "resnet18": "cifar10", "toy": "toy"}
+PAIRS = {"mnist": "fashion_mnist", "mlp": "fashion_mnist", "resnet18": "cifar10", "toy": "toy"}
 OPTIONAL_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 
 

@@ -108,8 +108,10 @@ class CIFAR10DataModule(InMemoryDataModule):
         channels: int | None = None,
         image_size: int | None = None,
         num_classes: int | None = None,
+        n_folds: int | None = None,
+        fold: int = 0,
     ) -> None:
-        super().__init__(data_dir, batch_size, val_size, num_workers, pin_memory, seed, on_device)
+        super().__init__(data_dir, batch_size, val_size, num_workers, pin_memory, seed, on_device, n_folds, fold)
         self._check_shape(channels=channels, image_size=image_size, num_classes=num_classes)
 
     def prepare_data(self) -> None:

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from src.data.components.batch_transforms import normalize, to_unit_float
+from src.data.components.folds import check_fold, stratified_folds
 from src.data.components.global_batch import per_replica_batch_size
 from src.data.components.in_memory import InMemoryDataset, keep_batch
 from src.data.components.resumable_loader import EpochShuffle, ResumableDataLoader
@@ -63,8 +64,11 @@ class InMemoryDataModule(LightningDataModule):
         pin_memory: bool | str = "auto",
         seed: int = 12345,
         on_device: bool | str = "auto",
+        n_folds: int | None = None,
+        fold: int = 0,
     ) -> None:
         super().__init__()
+        check_fold(n_folds, fold)
         if pin_memory not in (True, False, "auto"):
             raise ConfigError(f"data.pin_memory must be true, false or auto (true on a GPU), got {pin_memory!r}")
         if on_device not in (True, False, "auto"):
@@ -130,11 +134,16 @@ class InMemoryDataModule(LightningDataModule):
         if self.data_train is not None:
             return
         inputs, targets = self.load_split(train=True)
-        n_val = self.hparams.val_size
-        if n_val >= len(inputs):
-            raise ConfigError(f"data.val_size={n_val} leaves no training data ({len(inputs)} samples)")
-        order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(self.hparams.seed))
-        val_idx, train_idx = order[:n_val], order[n_val:]
+        if self.hparams.n_folds:  # k-fold cross-validation: fold `fold` validates, the others train
+            folds = stratified_folds(targets, self.hparams.n_folds, self.hparams.seed)
+            val_idx = folds[self.hparams.fold]
+            train_idx = torch.cat([f for k, f in enumerate(folds) if k != self.hparams.fold]).sort().values
+        else:
+            n_val = self.hparams.val_size
+            if n_val >= len(inputs):
+                raise ConfigError(f"data.val_size={n_val} leaves no training data ({len(inputs)} samples)")
+            order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(self.hparams.seed))
+            val_idx, train_idx = order[:n_val], order[n_val:]
         self.data_train = InMemoryDataset(inputs[train_idx], targets[train_idx])
         self.data_val = InMemoryDataset(inputs[val_idx], targets[val_idx])
         self.data_test = InMemoryDataset(*self.load_split(train=False))

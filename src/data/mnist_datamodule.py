@@ -54,10 +54,12 @@ class MNISTDataModule(InMemoryDataModule):
         image_size: int | None = None,
         num_classes: int | None = None,
         augment: bool = False,
+        n_folds: int | None = None,
+        fold: int = 0,
     ) -> None:
         if dataset not in _DATASETS:
             raise DataError(f"unknown data.dataset={dataset!r}; choose one of {sorted(_DATASETS)}")
-        super().__init__(data_dir, batch_size, val_size, num_workers, pin_memory, seed, on_device)
+        super().__init__(data_dir, batch_size, val_size, num_workers, pin_memory, seed, on_device, n_folds, fold)
         self._check_shape(channels=channels, image_size=image_size, num_classes=num_classes)
         self.dataset_cls, self.mean, self.std = _DATASETS[dataset]
         self.system_dir = system_dir if system_dir is not None else SYSTEM_DIRS.get(dataset)

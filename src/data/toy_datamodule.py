@@ -28,8 +28,11 @@ class ToyDataModule(InMemoryDataModule):
         val_size: int = 512,
         seed: int = 12345,
         on_device: bool | str = "auto",
+        n_folds: int | None = None,
+        fold: int = 0,
     ) -> None:
-        super().__init__(data_dir="", batch_size=batch_size, val_size=val_size, seed=seed, on_device=on_device)
+        super().__init__(data_dir="", batch_size=batch_size, val_size=val_size, seed=seed, on_device=on_device,
+                         n_folds=n_folds, fold=fold)
 
     @property
     def input_shape(self) -> tuple[int, ...]:

@@ -1,0 +1,42 @@
+"""After a k-fold multirun (``hparams_search=kfold``): every fold's metric, their mean and spread, in ``cv.yaml``.
+
+Reads the ``result.yaml`` each job left (:class:`src.utils.hydra_callbacks.SweepRecord`), so it works
+whatever ran the jobs (one process, submitit). The fold comes from each job's ``data.fold=`` override.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from src.utils.hydra_callbacks import RESULT_FILE
+
+CV_FILE = "cv.yaml"  # in the sweep dir
+
+
+def fold_of(overrides: list[str]) -> int | None:
+    found = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "data.fold"]
+    return int(found[-1]) if found else None
+
+
+class CrossValidationSummary(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        results = [OmegaConf.to_container(OmegaConf.load(p)) for p in sweep_dir.glob(f"**/{RESULT_FILE}")]
+        folds = {fold_of(r["overrides"]): r["value"] for r in results}
+        folds.pop(None, None)
+        values = [v for v in folds.values() if isinstance(v, int | float)]
+        record = {"metric": config.get("optimized_metric"), "n_folds": config.data.get("n_folds"),
+                  "folds": dict(sorted(folds.items())),
+                  "mean": statistics.fmean(values) if values else None,
+                  "std": statistics.stdev(values) if len(values) > 1 else None,  # sample standard deviation
+                  "completed": len(values)}
+        OmegaConf.save(OmegaConf.create(record), sweep_dir / CV_FILE)
+        spread = f" ± {record['std']:.4g}" if record["std"] is not None else ""
+        mean = f"{record['mean']:.6g}{spread}" if values else "none"
+        print(f"[cv] {record['metric']} over {len(values)} of {record['n_folds']} folds: {mean}; saved to "
+              f"{sweep_dir / CV_FILE}", flush=True)

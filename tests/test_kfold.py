@@ -1,0 +1,73 @@
+"""k-fold cross-validation: disjoint, covering, stratified folds; one command runs every fold and writes
+``cv.yaml`` from the folds' own results."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+
+import pytest
+import torch
+import yaml
+
+from src.data.components.folds import check_fold, stratified_folds
+from src.data.toy_datamodule import ToyDataModule
+from src.utils.errors import ConfigError
+from tests.helpers.entry import run_entry
+
+
+@pytest.mark.fast
+def test_folds_are_disjoint_cover_the_split_and_keep_each_class_share():
+    targets = torch.randint(0, 10, (1003,), generator=torch.Generator().manual_seed(0))
+    folds = stratified_folds(targets, 5, seed=7)
+    assert torch.equal(torch.cat(folds).sort().values, torch.arange(1003))  # disjoint and covering
+    assert max(map(len, folds)) - min(map(len, folds)) <= 1
+    for c in range(10):
+        shares = [int((targets[f] == c).sum()) for f in folds]
+        assert max(shares) - min(shares) <= 1, (c, shares)
+    assert all(torch.equal(a, b) for a, b in zip(folds, stratified_folds(targets, 5, seed=7), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(folds, stratified_folds(targets, 5, seed=8), strict=True))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("n_folds", "fold", "says"), [(1, 0, "n_folds=1 must be an integer >= 2"),
+                                                        (3, 3, "fold=3 must be an integer in 0..2")])
+def test_a_fold_outside_the_folds_is_one_line(n_folds, fold, says):
+    with pytest.raises(ConfigError, match=says + ".*; fix: "):
+        check_fold(n_folds, fold)
+
+
+@pytest.mark.fast
+def test_fold_i_validates_and_the_others_train():
+    splits = []
+    for fold in range(3):
+        dm = ToyDataModule(n_folds=3, fold=fold)
+        dm.setup()
+        splits.append(dm)
+    whole = len(splits[0].data_train) + len(splits[0].data_val)
+    val_rows = torch.cat([dm.data_val.inputs for dm in splits])
+    assert len(val_rows) == whole == 4096  # every training sample validates exactly once
+    assert torch.unique(val_rows, dim=0).shape[0] == whole
+    for dm in splits:  # no sample both trains and validates
+        both = torch.cat([dm.data_train.inputs, dm.data_val.inputs])
+        assert torch.unique(both, dim=0).shape[0] == whole
+
+
+@pytest.mark.slow
+def test_one_command_runs_every_fold_and_cv_yaml_agrees_with_their_logs(tmp_path):
+    proc = run_entry("train", "hparams_search=kfold", "model=toy", "data=toy", "data.n_folds=3", "data.fold=0,1,2",
+                     "trainer.max_epochs=1", "+trainer.limit_train_batches=5", "test=false", f"paths.log_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (cv_file,) = tmp_path.glob("train/multiruns/*/cv.yaml")
+    cv = yaml.safe_load(cv_file.read_text())
+    assert cv["metric"] == "val/loss" and cv["n_folds"] == 3 and cv["completed"] == 3
+    logged = {}
+    for job in sorted(cv_file.parent.glob("[0-9]*")):
+        fold = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+        (fold,) = [int(o.split("=")[1]) for o in fold if o.startswith("data.fold=")]
+        with open(next(job.glob("csv/*/metrics.csv"))) as f:
+            logged[fold] = [float(r["val/loss"]) for r in csv.DictReader(f) if r["val/loss"]][-1]
+    assert cv["folds"] == pytest.approx(logged) and len(set(logged.values())) == 3
+    assert cv["mean"] == pytest.approx(statistics.fmean(logged.values()))
+    assert cv["std"] == pytest.approx(statistics.stdev(logged.values()))
+    assert "[cv] val/loss over 3 of 3 folds" in proc.stdout
