@@ -56,12 +56,14 @@ def test_batch_not_divisible_by_replicas_fails_before_launch(tmp_path):
         "trainer.devices=2",
         "trainer.accelerator=cpu",
         "data.batch_size=127",
-        f"hydra.run.dir={tmp_path}/run",
+        f"paths.log_dir={tmp_path}",
     )
     assert proc.returncode == 2
     line = error_line(proc)
     assert "must divide evenly across 2" in line and "multiple of 2" in line
     assert "MEMBER" not in proc.stderr  # no rank was started
+    assert (tmp_path / "train" / "runs").is_dir() and not list((tmp_path / "train" / "runs").iterdir()), \
+        "a refused run leaves no run directory"
 
 
 @pytest.mark.fast

@@ -11,6 +11,7 @@ holds checkpoints this run would not resume from. Each job's dir gets its run id
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,18 @@ def named_by_command(config: DictConfig) -> bool:
     return any(o.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for o in config.hydra.overrides.hydra)
 
 
+_created_here: Path | None = None  # the run dir this launch created (a refusal removes it again)
+
+
+def discard_refused_run_dir() -> None:
+    """Remove the run directory this launch created, when the run was refused before it saved anything: a
+    refused run leaves no directory behind. A directory that existed before (a resume) is never touched."""
+    global _created_here
+    created, _created_here = _created_here, None
+    if created is not None and created.is_dir() and not (created / "checkpoints").exists():
+        shutil.rmtree(created, ignore_errors=True)
+
+
 class RunDirectory(Callback):
     """Choose, check and claim the run directory; release it when the run ends.
 
@@ -58,6 +71,8 @@ class RunDirectory(Callback):
             check_no_earlier_checkpoints(config, given)
         except ConfigError as err:
             exit_with_error(str(err), printed=launch_context().is_global_zero)
+        global _created_here  # a new dir (choose_run_dir may have made it) has no run id yet; a resumed one has
+        _created_here = None if (given / ".run_id").exists() else given.absolute()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._refuse_unwritable(Path(config.hydra.sweep.dir))

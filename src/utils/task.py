@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 import signal
 import sys
@@ -13,6 +14,7 @@ from typing import Any
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
+from src.run.directory import discard_refused_run_dir
 from src.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
 from src.utils.errors import ConfigError, UserError, exit_with_error, user_error_cause
 from src.utils.pylogger import RankedLogger, current_rank
@@ -33,25 +35,36 @@ def task_wrapper(
     @functools.wraps(task)
     def wrapped(cfg: DictConfig) -> tuple[dict, dict]:
         try:
-            return task(cfg)
-        except SIGTERMException as err:
-            if err.code is None:  # Lightning's own stop (validate/test): a stopped job must not look successful
-                raise SystemExit(128 + signal.SIGTERM) from None
-            if getattr(err, "requeued", False):  # no result for Hydra or submitit: the requeued job gives it
-                raise SystemExit(err.code) from None
-            raise
-        except Exception as err:
-            cause = user_error_cause(err) or rendezvous_error(err)
-            if cause is not None:
-                exit_with_error(str(cause))
-            if peer_failed(err):  # another rank failed first and says why: stop quietly
-                exit_after_peer_failure(current_rank())
+            return reported(task, cfg)
+        except SystemExit as exit_:
+            if exit_.code == 2:  # refused (bad input): nothing was saved, so no run dir is left behind
+                discard_refused_run_dir()
             raise
         finally:
-            log.info(f"Output dir: {cfg.paths.output_dir}")
+            if os.path.isdir(cfg.paths.output_dir):  # a refused run's is gone
+                log.info(f"Output dir: {cfg.paths.output_dir}")
             _finish_wandb()
 
     return wrapped
+
+
+def reported(task: Callable[[DictConfig], tuple[dict, dict]], cfg: DictConfig) -> tuple[dict, dict]:
+    """``task(cfg)``, its errors turned into exits: a user's error one line and 2, a stop its signal's code."""
+    try:
+        return task(cfg)
+    except SIGTERMException as err:
+        if err.code is None:  # Lightning's own stop (validate/test): a stopped job must not look successful
+            raise SystemExit(128 + signal.SIGTERM) from None
+        if getattr(err, "requeued", False):  # no result for Hydra or submitit: the requeued job gives it
+            raise SystemExit(err.code) from None
+        raise
+    except Exception as err:
+        cause = user_error_cause(err) or rendezvous_error(err)
+        if cause is not None:
+            exit_with_error(str(cause))
+        if peer_failed(err):  # another rank failed first and says why: stop quietly
+            exit_after_peer_failure(current_rank())
+        raise
 
 
 _STORE_TIMEOUT = re.compile(r"timed out after (\d+)ms while trying to connect to \(([^,]+), (\d+)\)")
