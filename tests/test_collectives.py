@@ -174,11 +174,11 @@ def test_callback_without_process_group_says_so_once(tmp_path, caplog):
     [
         ({"nproc": 0}, "nproc=0"),
         ({"mode": "nope"}, "mode=nope"),
-        ({"mode": "blocking", "nproc": 1}, "nproc>=2"),
+        ({"mode": "blocking", "nproc": 1}, "set nproc=2 or more"),
         ({"backend": "mpi"}, "backend=mpi"),
         ({"backend": "tpu"}, "backend=tpu"),
-        ({"init_method": "tcp://127.0.0.1"}, "host and a port"),
-        ({"init_method": "udp://x:1"}, "not env://"),
+        ({"init_method": "tcp://127.0.0.1"}, "has no host or no port"),
+        ({"init_method": "udp://x:1"}, "is not one of the forms; fix: use env://"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"mode": "bench", "bench": {"sizes": ["1XB"]}}, "bench.sizes"),
         ({"mode": "bench", "bench": {"ops": ["all_reduce", "nope"]}}, "bench.ops"),
@@ -341,7 +341,7 @@ def test_entry_point_bad_option_is_one_line(tmp_path):
     proc = _run_cli("nproc=0", f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert lines == ["error: nproc=0 must be an integer >= 1"]
+    assert lines == ["error: nproc=0 is not an integer >= 1; fix: set nproc=1 or more"]
 
 
 # ====================================================================== GPU (skipped without CUDA)

@@ -212,7 +212,7 @@ def test_registered_and_single_process():
 
 @pytest.mark.fast
 def test_bad_configurations_fail_early():
-    with pytest.raises(ConfigError, match="dp is single-process; use trainer=ddp"):
+    with pytest.raises(ConfigError, match="dp is single-process; fix: use trainer=ddp"):
         _trainer("dp", 2, num_nodes=2)
     with pytest.raises(ConfigError, match="dp is single-process"):
         _trainer(DataParallelStrategy(), 2, num_nodes=2)
@@ -230,7 +230,7 @@ def test_bad_configurations_fail_early():
 def test_batch_smaller_than_devices_is_a_clear_error():
     data = ToyDataModule(num_samples=64, val_size=16, batch_size=1)
     with pytest.raises(  # the global-batch rule, before sanity validation or any step
-        ConfigError, match="data.batch_size=1 cannot give each of the 2 dp devices a sample: raise data.batch_size"
+        ConfigError, match="data.batch_size=1 cannot give each of the 2 dp devices a sample; fix: raise data.batch_size"
     ):
         _trainer("dp", 2, max_steps=1, limit_val_batches=0).fit(RecordingRegression(), data)
 

@@ -94,7 +94,7 @@ def test_pin_memory_auto_pins_only_on_a_gpu():
     forced = MNISTDataModule(pin_memory=False)
     forced.trainer = SimpleNamespace(accelerator=CUDAAccelerator())
     assert forced.pin_memory is False and MNISTDataModule(pin_memory=True).pin_memory is True
-    with pytest.raises(ConfigError, match="data.pin_memory must be true, false or auto"):
+    with pytest.raises(ConfigError, match="data.pin_memory='yes' is not true, false or auto"):
         MNISTDataModule(pin_memory="yes")
 
 

@@ -139,12 +139,12 @@ def test_plan_of_an_mlp_and_its_table():
     ("kwargs", "message"),
     [
         ({"schedule": "ZeroBubble"}, "schedule='ZeroBubble' is unknown"),
-        ({"n_microbatches": 0}, "n_microbatches=0 must be an integer >= 1"),
+        ({"n_microbatches": 0}, "n_microbatches=0 is not an integer >= 1"),
         ({"schedule": "Interleaved1F1B"}, "set trainer.strategy.stages_per_rank=2"),
         ({"schedule": "GPipe", "stages_per_rank": 2}, "set stages_per_rank=1"),
-        ({"dp_size": 0}, "dp_size=0 must be an integer >= 1"),
-        ({"balance": "flops"}, "balance='flops' must be one of params, time"),
-        ({"stages": 0}, "stages=0 must be an integer >= 1"),
+        ({"dp_size": 0}, "dp_size=0 is not an integer >= 1"),
+        ({"balance": "flops"}, "balance='flops' is unknown; fix: use one of params, time"),
+        ({"stages": 0}, "stages=0 is not an integer >= 1"),
     ],
 )
 def test_bad_strategy_arguments_fail_at_construction(kwargs, message):
@@ -184,7 +184,7 @@ def test_bad_layouts_fail_before_any_process_starts():
     ("model", "trainer_kwargs", "message"),
     [
         (lambda: CountingRegression(ToyNet()), {"devices": 3}, "has 2 blocks, fewer than the 3 pipeline stages"),
-        (lambda: CountingRegression(nn.Linear(10, 5)), {}, "must be an nn.Sequential; got Linear"),
+        (lambda: CountingRegression(nn.Linear(10, 5)), {}, "and it is a Linear; fix: build the net as an nn.Sequential"),
         (lambda: CountingRegression(ToyNet()), {"gradient_clip_val": 1.0}, "gradient_clip_algorithm=value"),
         (lambda: CountingRegression(ToyNet()), {"sync_batchnorm": True}, "sync_batchnorm=true is not supported"),
     ],
@@ -207,8 +207,8 @@ def test_root_cause_is_reported_first():
 @pytest.mark.fast
 def test_batch_that_does_not_split_is_refused_before_any_process_starts():
     trainer = Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(n_microbatches=4), logger=False)
-    with pytest.raises(ConfigError, match=r"data.batch_size=30 .* 1 data-parallel replica\(s\) x 4 micro-batches: "
-                                          r"use a multiple of 4"):
+    with pytest.raises(ConfigError, match=r"data.batch_size=30 .* 1 data-parallel replica\(s\) x 4 micro-batches; "
+                                          r"fix: use a multiple of 4"):
         trainer.fit(CountingRegression(ToyNet()), datamodule=_toy_data(batch_size=30))
 
 
@@ -228,11 +228,11 @@ def test_one_global_batch_rule_for_every_strategy():
     pipe = Trainer(accelerator="cpu", devices=4, strategy=PipelineStrategy(dp_size=2, n_microbatches=4),
                    logger=False).strategy
     assert per_replica_batch_size(64, pipe) == 32
-    with pytest.raises(ConfigError, match="2 data-parallel replica\\(s\\) x 4 micro-batches: use a multiple of 8"):
+    with pytest.raises(ConfigError, match="2 data-parallel replica\\(s\\) x 4 micro-batches; fix: use a multiple of 8"):
         per_replica_batch_size(36, pipe)
     ddp = Trainer(accelerator="cpu", devices=3, strategy="ddp", logger=False).strategy
     assert per_replica_batch_size(12, ddp) == 4
-    with pytest.raises(ConfigError, match="3 data-parallel replica\\(s\\): use a multiple of 3"):
+    with pytest.raises(ConfigError, match="3 data-parallel replica\\(s\\); fix: use a multiple of 3"):
         per_replica_batch_size(10, ddp)
     dp = Trainer(accelerator="cpu", devices=4, strategy=DataParallelStrategy(), logger=False).strategy
     assert per_replica_batch_size(6, dp) == 6  # one process: dp splits the whole batch itself, unevenly if need be

@@ -61,9 +61,9 @@ def test_shards_are_whole_tensors_balanced_by_size():
 # -- bad input: one line, exit 2 -------------------------------------------------------------------------------
 @pytest.mark.fast
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"num_servers": 0}, "num_servers=0 must be an integer >= 1"),
+    ({"num_servers": 0}, "num_servers=0 is not an integer >= 1"),
     ({"max_staleness": -1}, "max_staleness=-1 must be an integer >= 0"),
-    ({"server_device": "gpu"}, "server_device='gpu' must be one of auto, cpu"),
+    ({"server_device": "gpu"}, "server_device='gpu' is unknown; fix: use one of auto, cpu"),
     ({"start_method": "spawn"}, "popen only"),
     ({"stages": 2}, "trainer.strategy.stages is a trainer=pipeline setting, but this run uses trainer=ps"),
 ])

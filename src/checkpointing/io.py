@@ -280,7 +280,7 @@ def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: b
     if not path.is_file():
         raise CheckpointError(f"{shown} is not a regular file; fix: pass the path of a .ckpt file")
     if not os.access(path, os.R_OK):
-        raise CheckpointError(f"{shown} is not readable: check its permissions")
+        raise CheckpointError(f"{shown} is not readable; fix: check its permissions")
     if path.stat().st_size == 0:
         raise CheckpointError(
             f"checkpoint {path} is empty (0 bytes; its save was cut short); fix: use another "

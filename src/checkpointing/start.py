@@ -36,7 +36,7 @@ def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module) -> None:
             if keys
         )
         raise CheckpointError(
-            f"checkpoint {path} does not fit this model ({detail}); use the same model/data config it was trained with"
+            f"checkpoint {path} does not fit this model ({detail}); fix: use the same model/data config it was trained with"
         )
 
 

@@ -73,9 +73,9 @@ class CollectivesCheck(Callback):
         self.at = [str(a) for a in _as_list(at)]
         unknown = [a for a in self.at if a not in TRIGGERS]
         if unknown:
-            raise ConfigError(f"CollectivesCheck(at={unknown}) is not a trigger; use one or both of {list(TRIGGERS)}")
+            raise ConfigError(f"CollectivesCheck(at={unknown}) is not a trigger; fix: use one or both of {list(TRIGGERS)}")
         if every_n_epochs < 0 or timeout_s <= 0:
-            raise ConfigError("CollectivesCheck needs every_n_epochs >= 0 and timeout_s > 0")
+            raise ConfigError("CollectivesCheck needs every_n_epochs >= 0 and timeout_s > 0; fix: set them so")
         self.every_n_epochs = int(every_n_epochs)
         self.timeout_s = float(timeout_s)
         self.ops = [str(o) for o in _as_list(ops)] or None
@@ -88,7 +88,7 @@ class CollectivesCheck(Callback):
             for op in self.bench_ops:
                 busbw_factor(op, 2)
         except ValueError as err:
-            raise ConfigError(f"CollectivesCheck(bench_sizes/bench_ops): {err}") from None
+            raise ConfigError(f"CollectivesCheck(bench_sizes/bench_ops): {err}; fix: give sizes in bytes and ops the bench knows") from None
         self.bench_warmup, self.bench_iters = int(bench_warmup), int(bench_iters)
         self.filename = filename
         self.extra_checks = list(extra_checks)

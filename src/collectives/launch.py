@@ -70,26 +70,26 @@ def resolve_backend(requested: str, world_size: int, spawning: bool) -> str:
     """``auto`` -> nccl with a GPU per rank, else gloo; refuse a backend this machine or launch cannot run."""
     requested = str(requested).lower()
     if requested not in BACKENDS:
-        raise ConfigError(f"backend={requested} is unknown; use one of {', '.join(BACKENDS)}")
+        raise ConfigError(f"backend={requested} is unknown; fix: use one of {', '.join(BACKENDS)}")
     cuda = torch.cuda.is_available()
     if requested == "auto":
         enough = not spawning or world_size <= torch.cuda.device_count()  # nccl: one GPU per rank
         return "nccl" if cuda and dist.is_nccl_available() and enough else "gloo"
     if requested == "nccl":
         if not cuda:
-            raise ConfigError("backend=nccl needs a CUDA GPU and none is visible; use backend=gloo (or auto)")
+            raise ConfigError("backend=nccl needs a CUDA GPU and none is visible; fix: use backend=gloo (or auto)")
         if not dist.is_nccl_available():
-            raise ConfigError("backend=nccl: this torch build has no NCCL; use backend=gloo")
+            raise ConfigError("backend=nccl: this torch build has no NCCL; fix: use backend=gloo")
         if spawning and world_size > torch.cuda.device_count():
             raise ConfigError(f"backend=nccl with nproc={world_size} needs {world_size} GPUs, "
-                              f"{torch.cuda.device_count()} visible; lower nproc or use backend=gloo")
+                              f"{torch.cuda.device_count()} visible; fix: lower nproc or use backend=gloo")
     if requested == "mpi":
         if not dist.is_mpi_available():
-            raise ConfigError("backend=mpi: this torch build has no MPI support; use backend=gloo")
+            raise ConfigError("backend=mpi: this torch build has no MPI support; fix: use backend=gloo")
         if spawning:
-            raise ConfigError("backend=mpi: start the ranks with `mpirun -np N python -m src.collectives backend=mpi`")
+            raise ConfigError("backend=mpi needs ranks started by mpirun; fix: start them with `mpirun -np N python -m src.collectives backend=mpi`")
     if requested == "gloo" and not dist.is_gloo_available():
-        raise ConfigError("backend=gloo: this torch build has no gloo; use backend=nccl or mpi")
+        raise ConfigError("backend=gloo: this torch build has no gloo; fix: use backend=nccl or mpi")
     return requested
 
 
@@ -100,7 +100,7 @@ def check_init_method(init_method: str, spawning: bool) -> str:
         ctx = launch_context()
         if not spawning and not (ctx.master_addr and ctx.master_port):
             raise ConfigError("init_method=env:// needs MASTER_ADDR and MASTER_PORT (torchrun sets them, srun "
-                              "does not); export them or use init_method=tcp://HOST:PORT")
+                              "does not); fix: export them or use init_method=tcp://HOST:PORT")
         return "env://"
     if url.scheme == "tcp":
         try:
@@ -108,20 +108,20 @@ def check_init_method(init_method: str, spawning: bool) -> str:
         except ValueError:
             port = None
         if not url.hostname or not port:
-            raise ConfigError(f"init_method={init_method} needs a host and a port, e.g. tcp://127.0.0.1:29500")
+            raise ConfigError(f"init_method={init_method} has no host or no port; fix: give both, e.g. tcp://127.0.0.1:29500")
         from src.runtime.rendezvous import port_in_use  # lazily: the strategies package loads Lightning
 
         if spawning and url.hostname in ("127.0.0.1", "localhost") and port_in_use(port, url.hostname):
-            raise ConfigError(f"init_method={init_method}: port {port} is already in use; pick another port")
+            raise ConfigError(f"init_method={init_method}: port {port} is already in use; fix: pick another port")
         return str(init_method)
     if url.scheme == "file":
         path = Path(url.path)
         if not path.parent.is_dir():
-            raise ConfigError(f"init_method={init_method}: directory {path.parent} does not exist")
+            raise ConfigError(f"init_method={init_method}: directory {path.parent} does not exist; fix: create it, or name a file in an existing one")
         if spawning and path.exists() and path.stat().st_size > 0:
-            raise ConfigError(f"init_method={init_method}: {path} is left over from an earlier run; delete it")
+            raise ConfigError(f"init_method={init_method}: {path} is left over from an earlier run; fix: delete it")
         return str(init_method)
-    raise ConfigError(f"init_method={init_method} is not env://, tcp://HOST:PORT or file:///PATH")
+    raise ConfigError(f"init_method={init_method} is not one of the forms; fix: use env://, tcp://HOST:PORT or file:///PATH")
 
 
 def run_rank(local_rank: int, plan: LaunchPlan, rank: int, world_size: int) -> None:
@@ -182,17 +182,17 @@ def plan_from_config(cfg: Any, out_dir: str | os.PathLike) -> LaunchPlan:
     conf = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     mode = str(conf.get("mode"))
     if mode not in MODES:
-        raise ConfigError(f"mode={mode} is unknown; use one of {', '.join(MODES)}")
+        raise ConfigError(f"mode={mode} is unknown; fix: use one of {', '.join(MODES)}")
     external = detect_external()
     nproc = conf.get("nproc")
     if external is None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
-        raise ConfigError(f"nproc={nproc} must be an integer >= 1")
+        raise ConfigError(f"nproc={nproc} is not an integer >= 1; fix: set nproc=1 or more")
     world_size = external.world_size if external else nproc
     timeout_s = conf.get("timeout_s")
     if not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise ConfigError(f"timeout_s={timeout_s} must be a positive number of seconds")
+        raise ConfigError(f"timeout_s={timeout_s} is not a positive number of seconds; fix: set timeout_s=60 or another positive number")
     if mode in _TWO_RANK_MODES and world_size < 2:
-        raise ConfigError(f"mode={mode} sends from rank 0 to rank 1: it needs nproc>=2 (world size {world_size})")
+        raise ConfigError(f"mode={mode} sends from rank 0 to rank 1, and the world size is {world_size}; fix: set nproc=2 or more")
     spawning = external is None
     backend = resolve_backend(conf.get("backend", "auto"), world_size, spawning)
     init_method = check_init_method(conf.get("init_method", "env://"), spawning)

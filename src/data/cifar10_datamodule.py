@@ -120,13 +120,13 @@ class CIFAR10DataModule(InMemoryDataModule):
         if folder.is_dir():
             return
         if not self.hparams.download:
-            raise DataError(f"CIFAR-10 not found in {folder} and data.download=false; set data.download=true or "
+            raise DataError(f"CIFAR-10 not found in {folder} and data.download=false; fix: set data.download=true or "
                             "point data.data_dir at a folder containing cifar-10-batches-py/")
         try:
             datasets.CIFAR10(root, train=True, download=True)
         except Exception as err:  # network errors come in many types
             raise DataError(
-                f"CIFAR-10 not found in {folder} and the download failed ({type(err).__name__}: {err}); "
+                f"CIFAR-10 not found in {folder} and the download failed ({type(err).__name__}: {err}); fix: "
                 "copy cifar-10-batches-py/ there, or allow internet access"
             ) from err
 
@@ -139,7 +139,7 @@ class CIFAR10DataModule(InMemoryDataModule):
             hint = "" if not self.hparams.verify_checksums else " (synthetic files need data.verify_checksums=false)"
             raise DataError(
                 f"cannot read CIFAR-10 from {Path(self.hparams.data_dir) / datasets.CIFAR10.base_folder}: "
-                f"{type(err).__name__}: {err}{hint}; delete the folder and re-run to download it again"
+                f"{type(err).__name__}: {err}{hint}; fix: delete the folder and re-run to download it again"
             ) from err
         return torch.from_numpy(data).contiguous(), torch.as_tensor(labels, dtype=torch.long)  # NCHW, uint8
 

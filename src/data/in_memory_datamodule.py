@@ -70,13 +70,13 @@ class InMemoryDataModule(LightningDataModule):
         super().__init__()
         check_fold(n_folds, fold)
         if pin_memory not in (True, False, "auto"):
-            raise ConfigError(f"data.pin_memory must be true, false or auto (true on a GPU), got {pin_memory!r}")
+            raise ConfigError(f"data.pin_memory={pin_memory!r} is not true, false or auto; fix: set one of them (auto: pinned on a GPU)")
         if on_device not in (True, False, "auto"):
-            raise ConfigError(f"data.on_device must be true, false or auto (on the GPU when it fits), got {on_device!r}")
+            raise ConfigError(f"data.on_device={on_device!r} is not true, false or auto; fix: set one of them (auto: on the GPU when it fits)")
         if not isinstance(batch_size, int) or batch_size <= 0:
-            raise ConfigError(f"data.batch_size must be a positive integer (global batch), got {batch_size!r}")
+            raise ConfigError(f"data.batch_size={batch_size!r} is not a positive integer; fix: set the global batch, e.g. data.batch_size=128")
         if val_size < 0:
-            raise ConfigError(f"data.val_size must be >= 0, got {val_size}")
+            raise ConfigError(f"data.val_size={val_size} is negative; fix: set it to 0 or more")
         self.save_hyperparameters(logger=False)
         self.data_train: InMemoryDataset | None = None
         self.data_val: InMemoryDataset | None = None
@@ -90,7 +90,7 @@ class InMemoryDataModule(LightningDataModule):
         for name, value in given.items():
             actual = getattr(self, name)
             if value is not None and value != actual:
-                raise ConfigError(f"data.{name}={value} but {type(self).__name__} provides {actual}: remove the override")
+                raise ConfigError(f"data.{name}={value} but {type(self).__name__} provides {actual}; fix: remove the override")
 
     # -- what subclasses provide -------------------------------------------------
     def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
@@ -141,7 +141,7 @@ class InMemoryDataModule(LightningDataModule):
         else:
             n_val = self.hparams.val_size
             if n_val >= len(inputs):
-                raise ConfigError(f"data.val_size={n_val} leaves no training data ({len(inputs)} samples)")
+                raise ConfigError(f"data.val_size={n_val} leaves no training data ({len(inputs)} samples); fix: lower data.val_size")
             order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(self.hparams.seed))
             val_idx, train_idx = order[:n_val], order[n_val:]
         self.data_train = InMemoryDataset(inputs[train_idx], targets[train_idx])
@@ -183,7 +183,7 @@ class InMemoryDataModule(LightningDataModule):
         if len(self.data_train) < self.batch_size_per_replica * self._replicas()[0]:
             raise ConfigError(
                 f"data.batch_size={self.hparams.batch_size} is larger than the training set "
-                f"({len(self.data_train)} samples): lower it"
+                f"({len(self.data_train)} samples); fix: lower it"
             )
         sampler = EpochShuffle(self.data_train, seed=self.hparams.seed)
         return self._loader(self.data_train, sampler=sampler, drop_last=True, loader_class=ResumableDataLoader)

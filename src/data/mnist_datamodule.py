@@ -58,7 +58,7 @@ class MNISTDataModule(InMemoryDataModule):
         fold: int = 0,
     ) -> None:
         if dataset not in _DATASETS:
-            raise DataError(f"unknown data.dataset={dataset!r}; choose one of {sorted(_DATASETS)}")
+            raise DataError(f"unknown data.dataset={dataset!r}; fix: choose one of {sorted(_DATASETS)}")
         super().__init__(data_dir, batch_size, val_size, num_workers, pin_memory, seed, on_device, n_folds, fold)
         self._check_shape(channels=channels, image_size=image_size, num_classes=num_classes)
         self.dataset_cls, self.mean, self.std = _DATASETS[dataset]

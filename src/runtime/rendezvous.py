@@ -81,7 +81,7 @@ def check_rendezvous_port(ctx: LaunchContext) -> None:
         )
     if ctx.before_launch and ctx.node_rank == 0 and port_in_use(number, ctx.master_addr or "127.0.0.1"):
         raise ConfigError(
-            f"MASTER_PORT={port} is already in use on this machine: unset it to pick a free port, "
+            f"MASTER_PORT={port} is already in use on this machine; fix: unset it to pick a free port, "
             "or choose another"
         )
 

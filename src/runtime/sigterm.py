@@ -78,7 +78,7 @@ def check_interval(every_n_batches: object) -> int:
     """The SIGTERM agreement interval, or a ConfigError naming the config key (checked where the strategy is built)."""
     if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) or every_n_batches < 1:
         raise ConfigError(f"trainer.strategy.sigterm_check_every_n_batches={every_n_batches!r} must be an integer "
-                          ">= 1 (1 = every batch)")
+                          ">= 1; fix: set it to 1 (every batch) or more")
     return every_n_batches
 
 

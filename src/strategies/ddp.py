@@ -73,7 +73,7 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife,
                             datamodule: pl.LightningDataModule | None = None) -> None:
         """What this strategy checks before any rank starts (:func:`src.strategies.launchers.preflight`)."""
         if compat.layer_sync_of(self) is not None and self.root_device.type != "cuda":
-            raise ConfigError("trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm is GPU-only): "
+            raise ConfigError("trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm is GPU-only); fix: "
                               "set trainer.sync_batchnorm=false on CPU")
 
     def setup_distributed(self) -> None:

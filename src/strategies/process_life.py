@@ -51,8 +51,8 @@ class ProcessLife:
         """Check and keep the options every multi-process strategy of the project takes."""
         self.sigterm_check_every_n_batches = check_interval(sigterm_check_every_n_batches)
         if hang_timeout_s is not None and hang_timeout_s <= 0:
-            raise ConfigError(f"trainer.strategy.hang_timeout_s={hang_timeout_s!r} must be > 0 seconds, or null "
-                              "to turn the watchdog off")
+            raise ConfigError(f"trainer.strategy.hang_timeout_s={hang_timeout_s!r} is not a positive number of "
+                              "seconds; fix: set one, or null to turn the watchdog off")
         self.hang_timeout_s = hang_timeout_s
         self.collective_timeout = timeout
         self.requested_backend = backend

@@ -147,7 +147,7 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
     gpus = torch.cuda.device_count()
     uses_gpu = accelerator in _GPU_NAMES or (accelerator == "auto" and gpus > 0)
     if num_nodes < 1:
-        raise ConfigError(f"trainer.num_nodes={num_nodes} must be >= 1")
+        raise ConfigError(f"trainer.num_nodes={num_nodes} is below 1; fix: set it to 1 or more")
     if isinstance(devices, int) and devices < 1 and devices != -1:
         every = " (or -1 for every GPU)" if uses_gpu else ""
         raise ConfigError(
@@ -155,7 +155,7 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
         )
     if accelerator in _GPU_NAMES and gpus == 0:
         raise ConfigError(
-            f"trainer.accelerator={accelerator} but no CUDA GPU is visible: use trainer.accelerator=cpu"
+            f"trainer.accelerator={accelerator} but no CUDA GPU is visible; fix: use trainer.accelerator=cpu"
         )
     if devices == -1 and _runs_on_cpu(accelerator, gpus):
         why = "trainer.accelerator=cpu" if accelerator == "cpu" else "no GPU is visible"
@@ -165,22 +165,22 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
         )
     if uses_gpu and isinstance(devices, int) and devices > gpus:
         raise ConfigError(
-            f"trainer.devices={devices} but only {gpus} GPU(s) are visible: lower trainer.devices"
+            f"trainer.devices={devices} but only {gpus} GPU(s) are visible; fix: lower trainer.devices"
         )
 
     check_with_strategy_class(trainer_cfg)
     backend = _strategy_option(trainer_cfg, "process_group_backend")
     if backend == "nccl" and not uses_gpu:
         raise ConfigError(
-            "process_group_backend=nccl needs CUDA GPUs: use gloo on CPU (or leave it null for auto)"
+            "process_group_backend=nccl needs CUDA GPUs; fix: use gloo on CPU (or leave it null for auto)"
         )
     if backend == "mpi" and not dist.is_mpi_available():
         raise ConfigError(
-            "process_group_backend=mpi but this torch build has no MPI support: use gloo or nccl"
+            "process_group_backend=mpi but this torch build has no MPI support; fix: use gloo or nccl"
         )
     if backend not in (None, "gloo", "nccl", "mpi"):
         raise ConfigError(
-            f"process_group_backend={backend!r} is not one of gloo, nccl, mpi (or null for auto)"
+            f"process_group_backend={backend!r} is unknown; fix: use gloo, nccl, mpi, or null for auto"
         )
 
 

@@ -20,12 +20,13 @@ def instantiate_group(cfg: DictConfig | None, kind: type, group: str) -> list:
     if not cfg:
         return objects
     if not isinstance(cfg, DictConfig):
-        raise ConfigError(f"{group} config must be a mapping of name -> object config")
+        raise ConfigError(f"the {group} config is not a mapping of name -> object config; fix: give each entry a name")
     for name, node in cfg.items():
         if isinstance(node, DictConfig) and "_target_" in node:
             obj = hydra.utils.instantiate(node)
             if not isinstance(obj, kind):
-                raise ConfigError(f"{group}.{name} built a {type(obj).__name__}, not a {kind.__name__}")
+                raise ConfigError(f"{group}.{name} built a {type(obj).__name__}, not a {kind.__name__}; fix: point its _target_ at a "
+                                 f"{kind.__name__}")
             objects.append(obj)
     return objects
 

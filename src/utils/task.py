@@ -111,7 +111,7 @@ def get_metric_value(metric_dict: dict[str, Any], metric_name: str | None) -> fl
         return None
     if metric_name not in metric_dict:
         raise ConfigError(
-            f"optimized_metric={metric_name!r} was not logged; logged metrics: {sorted(metric_dict)}"
+            f"optimized_metric={metric_name!r} was not logged; fix: set optimized_metric to one of {sorted(metric_dict)}"
         )
     value = metric_dict[metric_name]
     return float(value.item() if hasattr(value, "item") else value)

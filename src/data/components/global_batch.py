@@ -21,7 +21,7 @@ def per_replica_batch_size(global_batch: int, strategy: Any) -> int:
     unit = replicas * micro
     if global_batch % unit:
         split = f"{replicas} data-parallel replica(s)" + (f" x {micro} micro-batches" if micro > 1 else "")
-        raise ConfigError(f"data.batch_size={global_batch} is the global batch and must divide evenly across {split}: "
+        raise ConfigError(f"data.batch_size={global_batch} is the global batch and must divide evenly across {split}; fix: "
                           f"use a multiple of {unit}")
     if getattr(strategy, "strategy_name", None) == "dp":
         check_dp_batch(global_batch, devices)
@@ -31,6 +31,5 @@ def per_replica_batch_size(global_batch: int, strategy: Any) -> int:
 def check_dp_batch(batch: Any, devices: int) -> None:
     """dp splits each batch over its devices, whatever a DataModule means by batch size: one sample each at least."""
     if isinstance(batch, int) and not isinstance(batch, bool) and 0 < batch < devices:
-        raise ConfigError(f"data.batch_size={batch} cannot give each of the {devices} dp devices a sample: raise "
-                          f"data.batch_size or lower trainer.devices; fix: data.batch_size={devices} or more, or "
-                          f"trainer.devices={batch}")
+        raise ConfigError(f"data.batch_size={batch} cannot give each of the {devices} dp devices a sample; fix: raise "
+                          f"data.batch_size to {devices} or more, or lower trainer.devices to {batch}")

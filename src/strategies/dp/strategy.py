@@ -87,7 +87,7 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
     def num_nodes(self, num_nodes: int) -> None:
         if num_nodes != 1:
             raise ConfigError(
-                f"trainer.num_nodes={num_nodes}: dp is single-process; use trainer=ddp for several nodes"
+                f"trainer.num_nodes={num_nodes}: dp is single-process; fix: use trainer=ddp for several nodes"
             )
         self._num_nodes = num_nodes
 
@@ -100,10 +100,10 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
         if devices:
             kinds = {d.type for d in devices}
             if len(kinds) > 1 or not kinds <= {"cpu", "cuda"}:
-                raise ConfigError(f"dp runs on CPU threads or on CUDA devices of one kind, got {devices}")
+                raise ConfigError(f"dp runs on CPU threads or on CUDA devices of one kind, got {devices}; fix: give devices of one kind")
             if "cuda" in kinds and max(d.index or 0 for d in devices) >= torch.cuda.device_count():
                 raise ConfigError(
-                    f"dp was given {devices} but only {torch.cuda.device_count()} GPU(s) are visible: "
+                    f"dp was given {devices} but only {torch.cuda.device_count()} GPU(s) are visible; fix: "
                     "lower trainer.devices"
                 )
         self._parallel_devices = devices
@@ -169,17 +169,17 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
         if missing:
             raise ConfigError(
                 f"the dp strategy needs the StepModule protocol (model_step/record_step); "
-                f"{type(model).__name__} lacks {', '.join(missing)}: subclass src.models.step_module.StepModule"
+                f"{type(model).__name__} lacks {', '.join(missing)}; fix: subclass src.models.step_module.StepModule"
             )
         if not model.automatic_optimization:
             raise ConfigError(
                 f"{type(model).__name__} uses manual optimization, which dp does not support "
-                "(it drives model_step/record_step itself): use a single device or trainer=ddp"
+                "(it drives model_step/record_step itself); fix: use a single device or trainer=ddp"
             )
         if compat.layer_sync_of(self) is not None:
             raise ConfigError(
                 "trainer.sync_batchnorm=true needs a process group and does not apply to dp (each shard "
-                "normalizes separately, as in nn.DataParallel): set trainer.sync_batchnorm=false or use trainer=ddp"
+                "normalizes separately, as in nn.DataParallel); fix: set trainer.sync_batchnorm=false or use trainer=ddp"
             )
 
     def connect(self, model: pl.LightningModule) -> None:
@@ -192,7 +192,7 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
         if bound:
             raise ConfigError(
                 f"dp cannot replicate modules whose forward is bound to the instance ({', '.join(bound)}; e.g. by "
-                "torch.compile): a replica would run the original's parameters. Set model.compile=false"
+                "torch.compile): a replica would run the original's parameters; fix: set model.compile=false"
             )
         super().setup(trainer)
         self._runner = ShardRunner(len(self.parallel_devices))
@@ -225,7 +225,7 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
         if size < len(devices):
             if stage == "train":
                 raise ConfigError(
-                    f"batch of {size} samples cannot be split across {len(devices)} dp devices; raise data.batch_size"
+                    f"batch of {size} samples cannot be split across {len(devices)} dp devices; fix: raise data.batch_size"
                 )
             devices = devices[:size]  # a short last eval batch runs on fewer devices, like nn.DataParallel
         sizes = shard_sizes(size, len(devices))

@@ -87,7 +87,8 @@ def merge_optimizer_states(parts: Sequence[dict[str, Any]], block_order: Sequenc
     """Merge name-keyed stage states into one standard state dict of the unsplit model's optimizer."""
     n_groups = {len(p["param_groups"]) for p in parts}
     if len(n_groups) != 1:
-        raise CheckpointError(f"the stages' optimizers have different numbers of param groups ({sorted(n_groups)})")
+        raise CheckpointError(f"the stages' optimizers have different numbers of param groups ({sorted(n_groups)}); fix: give every "
+                              "parameter group to every stage (one optimizer config for the whole model)")
     key = block_order_key(block_order)
     groups, index = [], {}
     for g in range(n_groups.pop()):
@@ -113,7 +114,7 @@ def local_optimizer_state(
     groups = full.get("param_groups", [])
     if len(groups) != len(local_groups):
         raise CheckpointError(
-            f"the checkpoint's optimizer has {len(groups)} param groups, this run's has {len(local_groups)}: "
+            f"the checkpoint's optimizer has {len(groups)} param groups, this run's has {len(local_groups)}; fix: "
             f"resume with the optimizer config the checkpoint was trained with"
         )
     where: dict[str, int] = {}
@@ -122,18 +123,19 @@ def local_optimizer_state(
         if names is None:
             if len(groups) != 1:
                 raise CheckpointError("the checkpoint's optimizer state has several groups and no parameter names: "
-                                      "it cannot be split across pipeline stages")
+                                      "it cannot be split across pipeline stages; fix: resume it on one device or under ddp")
             names = list(fallback_names)
         if len(names) != len(g["params"]):
             raise CheckpointError("the checkpoint's optimizer state does not fit this model: it lists "
-                                  f"{len(g['params'])} parameters where this model has {len(names)}")
+                                  f"{len(g['params'])} parameters where this model has {len(names)}; fix: pass the model config it "
+                                  "was trained with")
         where.update(zip(names, g["params"], strict=True))
     state, out_groups, i = {}, [], 0
     for g, names in zip(groups, local_groups, strict=True):
         missing = [n for n in names if n not in where]
         if missing:
             raise CheckpointError(f"the checkpoint has no optimizer state for {missing[:3]}: it was saved from "
-                                  f"another model")
+                                  f"another model; fix: pass that model's config")
         ids = list(range(i, i + len(names)))
         for local, name in zip(ids, names, strict=True):
             if where[name] in full["state"]:
@@ -162,7 +164,7 @@ def load_local_model_state(module: nn.Module, state: dict[str, Any], strict: boo
     local = module.state_dict().keys()
     missing = [k for k in local if k not in state]
     if missing and strict:
-        raise CheckpointError(f"the checkpoint lacks {missing[:3]}: it was saved from another model")
+        raise CheckpointError(f"the checkpoint lacks {missing[:3]}: it was saved from another model; fix: pass that model's config")
     module.load_state_dict({k: state[k] for k in local if k in state}, strict=strict)
 
 

@@ -37,20 +37,20 @@ class Layout:
 def resolve_layout(world_size: int, stages: int | None, dp_size: int) -> Layout:
     """Check ``stages x dp_size == world_size`` (``stages=None``: ``world_size / dp_size``)."""
     if dp_size < 1:
-        raise ConfigError(f"trainer.strategy.dp_size={dp_size} must be >= 1")
+        raise ConfigError(f"trainer.strategy.dp_size={dp_size} is below 1; fix: set it to 1 or more")
     if stages is None:
         if world_size % dp_size:
             raise ConfigError(
-                f"{world_size} processes cannot hold {dp_size} data-parallel pipeline replicas: "
+                f"{world_size} processes cannot hold {dp_size} data-parallel pipeline replicas; fix: "
                 f"make trainer.devices x trainer.num_nodes a multiple of trainer.strategy.dp_size"
             )
         stages = world_size // dp_size
     if stages < 1:
-        raise ConfigError(f"trainer.strategy.stages={stages} must be >= 1 (or null for processes / dp_size)")
+        raise ConfigError(f"trainer.strategy.stages={stages} is below 1; fix: set it to 1 or more, or null (processes / dp_size)")
     if stages * dp_size != world_size:
         raise ConfigError(
             f"trainer.strategy.stages={stages} x dp_size={dp_size} = {stages * dp_size} processes, but the "
-            f"trainer has {world_size} (devices x num_nodes): make them equal, e.g. stages=null"
+            f"trainer has {world_size} (devices x num_nodes); fix: make them equal, e.g. stages=null"
         )
     return Layout(pp=stages, dp=dp_size)
 

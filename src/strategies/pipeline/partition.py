@@ -36,8 +36,8 @@ def named_blocks(net: nn.Module) -> list[tuple[str, nn.Module]]:
     """The ordered ``(name, block)`` pairs of a sequential net; a clear error for anything else."""
     if not isinstance(net, nn.Sequential):
         raise ConfigError(
-            f"trainer=pipeline splits model.net by its named blocks, so it must be an nn.Sequential; "
-            f"got {type(net).__name__}"
+            f"trainer=pipeline splits model.net by its named blocks, and it is a {type(net).__name__}; fix: "
+            "build the net as an nn.Sequential of named blocks"
         )
     return list(net.named_children())
 
@@ -95,10 +95,10 @@ def balanced_split(costs: Sequence[float], n_stages: int) -> list[range]:
     """
     n = len(costs)
     if n_stages < 1:
-        raise ConfigError(f"the number of pipeline stages must be >= 1, got {n_stages}")
+        raise ConfigError(f"the pipeline has {n_stages} stages; fix: give it 1 or more")
     if n < n_stages:
         raise ConfigError(
-            f"model.net has {n} blocks but the pipeline needs {n_stages} stages (one block at least each): "
+            f"model.net has {n} blocks but the pipeline needs {n_stages} stages (one block at least each); fix: "
             f"use fewer trainer.strategy.stages / stages_per_rank, or a net with more blocks"
         )
     prefix = [0.0]

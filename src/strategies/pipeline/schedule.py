@@ -35,7 +35,7 @@ def canonical_schedule(name: str) -> str:
         cls = None
     key = next((s for s in SUPPORTED if cls is not None and get_schedule_class(s) is cls), None)
     if key is None:
-        raise ConfigError(f"trainer.strategy.schedule={name!r} is unknown: choose one of {', '.join(SUPPORTED)}")
+        raise ConfigError(f"trainer.strategy.schedule={name!r} is unknown; fix: choose one of {', '.join(SUPPORTED)}")
     return key
 
 
@@ -50,24 +50,24 @@ def check_schedule(name: str, n_microbatches: int, stages_per_rank: int, pp: int
     ``pp`` (pipeline ranks) is checked too when known.
     """
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
-        raise ConfigError(f"trainer.strategy.n_microbatches={n_microbatches!r} must be an integer >= 1")
+        raise ConfigError(f"trainer.strategy.n_microbatches={n_microbatches!r} is not an integer >= 1; fix: set one")
     if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-        raise ConfigError(f"trainer.strategy.stages_per_rank={stages_per_rank!r} must be an integer >= 1")
+        raise ConfigError(f"trainer.strategy.stages_per_rank={stages_per_rank!r} is not an integer >= 1; fix: set one")
     if is_multi_stage(name) and stages_per_rank < 2:
         raise ConfigError(
-            f"schedule={name} interleaves several virtual stages per rank: set trainer.strategy.stages_per_rank=2 "
+            f"schedule={name} interleaves several virtual stages per rank; fix: set trainer.strategy.stages_per_rank=2 "
             f"(or more), or use schedule=1F1B"
         )
     if not is_multi_stage(name) and stages_per_rank != 1:
         raise ConfigError(
-            f"schedule={name} runs one stage per rank but stages_per_rank={stages_per_rank}: set stages_per_rank=1, "
+            f"schedule={name} runs one stage per rank but stages_per_rank={stages_per_rank}; fix: set stages_per_rank=1, "
             f"or use schedule=Interleaved1F1B"
         )
     if pp is None:
         return
     if name == "1F1B" and n_microbatches < pp:
         raise ConfigError(
-            f"schedule=1F1B needs n_microbatches >= the number of stages ({pp}), got {n_microbatches}: "
+            f"schedule=1F1B needs n_microbatches >= the number of stages ({pp}), got {n_microbatches}; fix: "
             f"raise trainer.strategy.n_microbatches"
         )
     if name == "Interleaved1F1B":
@@ -75,7 +75,7 @@ def check_schedule(name: str, n_microbatches: int, stages_per_rank: int, pp: int
         if n_microbatches % rounds:
             raise ConfigError(
                 f"schedule=Interleaved1F1B with {pp} pipeline ranks needs n_microbatches to be a multiple of "
-                f"{rounds} (= n_microbatches // ranks), got {n_microbatches}: use a multiple of {pp}"
+                f"{rounds} (= n_microbatches // ranks), got {n_microbatches}; fix: use a multiple of {pp}"
             )
 
 
@@ -105,5 +105,5 @@ def build_schedule(
     try:
         schedule = schedule_cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     except ValueError as err:  # a constraint check_schedule does not know about (newer torch)
-        raise ConfigError(f"schedule={name}, n_microbatches={n_microbatches}: {err}") from err
+        raise ConfigError(f"schedule={name}, n_microbatches={n_microbatches}: {err}; fix: choose another schedule or n_microbatches") from err
     return schedule

@@ -101,11 +101,11 @@ class PipelineStrategy(DDPStrategy):
         schedule = canonical_schedule(schedule)
         check_schedule(schedule, n_microbatches, stages_per_rank)
         if balance not in BALANCE_MODES:
-            raise ConfigError(f"trainer.strategy.balance={balance!r} must be one of {', '.join(BALANCE_MODES)}")
+            raise ConfigError(f"trainer.strategy.balance={balance!r} is unknown; fix: use one of {', '.join(BALANCE_MODES)}")
         if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-            raise ConfigError(f"trainer.strategy.dp_size={dp_size!r} must be an integer >= 1")
+            raise ConfigError(f"trainer.strategy.dp_size={dp_size!r} is not an integer >= 1; fix: set one")
         if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
-            raise ConfigError(f"trainer.strategy.stages={stages!r} must be an integer >= 1, or null")
+            raise ConfigError(f"trainer.strategy.stages={stages!r} is not an integer >= 1; fix: set one, or null")
         super().__init__(process_group_backend=process_group_backend, start_method=start_method, **kwargs)
         self.stages = stages
         self.n_microbatches = n_microbatches
@@ -141,31 +141,34 @@ class PipelineStrategy(DDPStrategy):
         """What the pipeline checks before any rank starts (:func:`src.strategies.launchers.preflight`), root
         causes first: the model, then whether it splits into the stages, then the schedule and the settings."""
         if trainer.state.fn == TrainerFn.PREDICTING:
-            raise ConfigError("trainer=pipeline does not predict: load the checkpoint on one device (trainer=default)")
+            raise ConfigError("trainer=pipeline does not predict; fix: load the checkpoint on one device (trainer=default)")
         for hook in ("criterion", "record_step"):
             if not callable(getattr(model, hook, None)):
-                raise ConfigError(f"trainer=pipeline needs a StepModule (with `{hook}`), got {type(model).__name__}")
+                raise ConfigError(f"trainer=pipeline needs a StepModule (with `{hook}`), got {type(model).__name__}; fix: "
+                                  "subclass src.models.step_module.StepModule")
         if not isinstance(getattr(model, "net", None), nn.Module):
-            raise ConfigError(f"trainer=pipeline splits the module's `net` attribute; {type(model).__name__} has none")
+            raise ConfigError(f"trainer=pipeline splits the module's `net` attribute, and {type(model).__name__} has none; fix: hold "
+                              "the network in self.net")
         if not model.automatic_optimization:
-            raise ConfigError("trainer=pipeline runs backward inside the schedule: manual optimization is not supported")
+            raise ConfigError("trainer=pipeline runs backward inside the schedule, so manual optimization cannot; fix: use "
+                              "automatic optimization (model.owned_step=false), or another trainer")
         if getattr(model.hparams, "compile", False):
-            raise ConfigError("trainer=pipeline cannot split a compiled net: set model.compile=false")
+            raise ConfigError("trainer=pipeline cannot split a compiled net; fix: set model.compile=false")
         n_blocks = len(self._block_order) if model.net is self._split_net else len(named_blocks(model.net))
         if n_blocks < self.num_stages:
             raise ConfigError(
                 f"model.net has {n_blocks} blocks, fewer than the {self.num_stages} pipeline stages "
-                f"({self.layout.pp} ranks x stages_per_rank={self.stages_per_rank}): use fewer stages or more blocks"
+                f"({self.layout.pp} ranks x stages_per_rank={self.stages_per_rank}); fix: use fewer stages or more blocks"
             )
         check_schedule(self.schedule, self.n_microbatches, self.stages_per_rank, self.layout.pp)
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ConfigError("trainer.precision=16-mixed needs loss scaling, which pipeline schedules do not do: "
+            raise ConfigError("trainer.precision=16-mixed needs loss scaling, which pipeline schedules do not do; fix: "
                               "use bf16-mixed or 32-true")
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
-            raise ConfigError("gradient norm clipping would see only one stage's gradients under trainer=pipeline: "
+            raise ConfigError("gradient norm clipping would see only one stage's gradients under trainer=pipeline; fix: "
                               "set trainer.gradient_clip_algorithm=value, or unset gradient_clip_val")
         if compat.layer_sync_of(self) is not None:
-            raise ConfigError("trainer.sync_batchnorm=true is not supported with trainer=pipeline: set it to false")
+            raise ConfigError("trainer.sync_batchnorm=true is not supported with trainer=pipeline; fix: set it to false")
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -247,7 +250,7 @@ class PipelineStrategy(DDPStrategy):
         if isinstance(example, Tensor):
             return self.precision_plugin.convert_input(example.to(self.root_device))
         if trainer.datamodule is None:
-            raise ConfigError("balance=time needs an example input: set the module's example_input_array or train "
+            raise ConfigError("balance=time needs an example input; fix: set the module's example_input_array or train "
                               "with a DataModule")
         batch = next(iter(trainer.datamodule.train_dataloader()))
         return self.precision_plugin.convert_input(self.batch_to_device(batch)[0])
@@ -304,7 +307,7 @@ class PipelineStrategy(DDPStrategy):
         self.lightning_module.record_step("test", out)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise ConfigError("trainer=pipeline does not predict: load the checkpoint on one device (trainer=default)")
+        raise ConfigError("trainer=pipeline does not predict; fix: load the checkpoint on one device (trainer=default)")
 
     # -- reductions: data-parallel group by default (see module docstring) ------------------------
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:

@@ -53,7 +53,7 @@ def live_optimizer(optimizer: Optimizer, live: dict[int, Tensor]) -> Optimizer:
         return type(optimizer)(groups, **optimizer.defaults)
     except TypeError as err:
         raise ConfigError(f"trainer=ps rebuilds the optimizer on each server as {type(optimizer).__name__}("
-                          f"param_groups, **defaults), which it rejects ({err}); use a torch.optim optimizer") from None
+                          f"param_groups, **defaults), which it rejects ({err}); fix: use a torch.optim optimizer") from None
 
 
 def flat_copy(tensors: Sequence[Tensor], device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -100,7 +100,8 @@ class ParameterServer:
                  log: Callable[[int, str], None] = lambda worker, what: None) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
-            raise ConfigError(f"trainer=ps sends a server's parameters as one tensor; they mix dtypes {sorted(map(str, dtypes))}")
+            raise ConfigError(f"trainer=ps sends a server's parameters as one tensor, and they mix dtypes "
+                              f"{sorted(map(str, dtypes))}; fix: give the model one dtype")
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.params, self.buffers = list(params), list(buffers)
         self.flat = flat_copy(self.params, device, self.dtype)

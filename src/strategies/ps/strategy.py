@@ -91,19 +91,20 @@ class ParameterServerStrategy(DDPStrategy):
                  start_method: str = "popen", process_group_backend: str | None = None, **kwargs: Any) -> None:
         refuse_mixing("ps", kwargs)
         if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
-            raise ConfigError(f"trainer.strategy.num_servers={num_servers!r} must be an integer >= 1")
+            raise ConfigError(f"trainer.strategy.num_servers={num_servers!r} is not an integer >= 1; fix: set one")
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
                                           or max_staleness < 0):
             raise ConfigError(f"trainer.strategy.max_staleness={max_staleness!r} must be an integer >= 0 (0: "
-                              "synchronous), or null for no bound")
+                              "synchronous), or null for no bound; fix: set one of those")
         if server_device not in SERVER_DEVICES:
-            raise ConfigError(f"trainer.strategy.server_device={server_device!r} must be one of {', '.join(SERVER_DEVICES)}")
+            raise ConfigError(f"trainer.strategy.server_device={server_device!r} is unknown; fix: use one of "
+                              f"{', '.join(SERVER_DEVICES)}")
         if start_method != "popen":
             raise ConfigError(f"trainer.strategy.start_method={start_method!r}: trainer=ps starts its ranks with "
-                              "popen only (a worker must be able to start again on its own)")
+                              "popen only (a worker must be able to start again on its own); fix: leave start_method unset")
         if process_group_backend not in (None, "gloo"):
             raise ConfigError(f"trainer.strategy.process_group_backend={process_group_backend!r}: trainer=ps "
-                              "sends through gloo links; leave it null")
+                              "sends through gloo links; fix: leave it null")
         self.num_servers, self.max_staleness, self.server_device = num_servers, max_staleness, server_device
         super().__init__(start_method=start_method, hang_timeout_s=hang_timeout_s,
                          sigterm_check_every_n_batches=sigterm_check_every_n_batches, **kwargs)
@@ -184,22 +185,22 @@ class ParameterServerStrategy(DDPStrategy):
                               f"processes (trainer.devices x trainer.num_nodes); fix: raise trainer.devices or lower "
                               "num_servers")
         if trainer.state.fn == TrainerFn.PREDICTING:
-            raise ConfigError("trainer=ps does not predict: load the checkpoint on one device (trainer=default)")
+            raise ConfigError("trainer=ps does not predict; fix: load the checkpoint on one device (trainer=default)")
         if not model.automatic_optimization:
             raise ConfigError("trainer=ps pushes the gradients of Lightning's optimizer step: manual optimization "
-                              "is not supported")
+                              "is not supported; fix: use automatic optimization (model.owned_step=false)")
         if trainer.accumulate_grad_batches != 1:
             raise ConfigError(f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches}: under trainer=ps "
                               "every batch is one push; fix: raise data.batch_size instead")
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ConfigError("trainer.precision=16-mixed scales the loss per worker, which the servers cannot "
-                              "undo: use bf16-mixed or 32-true")
+                              "undo; fix: use bf16-mixed or 32-true")
         if compat.layer_sync_of(self) is not None:
             raise ConfigError("trainer.sync_batchnorm=true needs a process group over the workers, which ps has "
-                              "not got: set it to false")
+                              "not got; fix: set it to false")
         if self.server_device == "cpu" and self.num_nodes > 1 and self.parallel_devices[-1].type != "cpu":
             raise ConfigError("trainer.strategy.server_device=cpu is the one-machine form (servers on the CPU beside "
-                              "the GPUs): set trainer.num_nodes=1, or server_device=auto")
+                              "the GPUs); fix: set trainer.num_nodes=1, or server_device=auto")
 
     def build_launcher(self) -> PSSubprocessLauncher:
         return PSSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -266,7 +267,7 @@ class ParameterServerStrategy(DDPStrategy):
         compat.optimizers_to_device(self.optimizers, self.root_device)
         if len(self.optimizers) != 1:
             raise ConfigError(f"trainer=ps steps one optimizer on the servers; configure_optimizers returned "
-                              f"{len(self.optimizers)}")
+                              f"{len(self.optimizers)}; fix: return one optimizer")
         self._leave_decisions_to_the_chief(trainer)
         module, roles = self.lightning_module, self.roles
         params = [p for p in module.parameters() if p.requires_grad]
@@ -276,7 +277,7 @@ class ParameterServerStrategy(DDPStrategy):
         if self.is_server:
             if self.num_servers > 1 and any(isinstance(c.scheduler, ReduceLROnPlateau) for c in self.lr_scheduler_configs):
                 raise ConfigError("ReduceLROnPlateau follows the chief's validation, which the other servers do not "
-                                  "see: use one server or another scheduler")
+                                  "see; fix: use one server or another scheduler")
             self.server = ParameterServer(self._shards[self.global_rank], self.optimizers[0],
                                           buffers if self.is_chief else [], roles.num_workers, self.max_staleness,
                                           self.root_device, log=self._log_member)
