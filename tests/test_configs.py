@@ -132,3 +132,19 @@ def test_src_utils_exports_ashleves_names_without_importing_lightning():
             "log_hyperparameters, print_config_tree, RankedLogger; print(task_wrapper.__module__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "src.utils.task"
+
+
+@pytest.mark.fast
+def test_configs_resolve_through_hydras_compose_api_without_importing_the_project():
+    """A notebook or ashleve's tests compose with Hydra's API and never call register_resolvers(): the
+    hydra_plugins/project_resolvers module registers them when Hydra starts."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom hydra import compose, initialize\n"
+            "with initialize(version_base='1.3', config_path='configs'):\n"
+            "    cfg = compose(config_name='train.yaml', return_hydra_config=True)\n"
+            "print(cfg.trainer.benchmark, 'lightning' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False"]  # ${not:${trainer.deterministic}}, and no Lightning import
