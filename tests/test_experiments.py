@@ -17,7 +17,7 @@ from tests.helpers.config import CONFIG_DIR, ROOT
 
 # ashleve's config names, kept as aliases of this template's configs (docs/coming-from.md)
 ALIASES = {"experiment=example": "experiment=fashion_mnist_mlp", "model=mnist": "model=mlp",
-           "trainer=ddp_sim": "trainer=ddp_spawn"}
+           "trainer=ddp_sim": "trainer=ddp_spawn", "hparams_search=mnist_optuna": "hparams_search=fashion_mnist_optuna"}
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml") if f"experiment={p.stem}" not in ALIASES)
 
 
