@@ -33,7 +33,7 @@ from src.utils.errors import ConfigError  # noqa: E402
 from src.utils.hydra_errors import hydra_main  # noqa: E402
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
 from src.utils.logging_utils import log_hyperparameters  # noqa: E402
-from src.utils.pylogger import RankedLogger  # noqa: E402
+from src.utils.pylogger import RankedLogger, lightning_lines_held  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
 from src.utils.task import extras, task_wrapper  # noqa: E402
 
@@ -55,17 +55,18 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Test ``cfg.ckpt_path``; returns ``(metric_dict, object_dict)``."""
     require_ckpt_path(cfg)
     check_config(cfg)
-    if cfg.get("seed") is not None:
-        L.seed_everything(cfg.seed, workers=True)
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
-    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-    check_checkpoint(cfg.ckpt_path, model)
-    trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer,
-        callbacks=instantiate_callbacks(cfg.get("callbacks")),
-        logger=instantiate_loggers(cfg.get("logger")),
-    )
-    preflight(trainer, model, datamodule)
+    with lightning_lines_held():  # a refusal below is one line on stderr, without Lightning's start-up lines
+        if cfg.get("seed") is not None:
+            L.seed_everything(cfg.seed, workers=True)
+        datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+        model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+        check_checkpoint(cfg.ckpt_path, model)
+        trainer: L.Trainer = hydra.utils.instantiate(
+            cfg.trainer,
+            callbacks=instantiate_callbacks(cfg.get("callbacks")),
+            logger=instantiate_loggers(cfg.get("logger")),
+        )
+        preflight(trainer, model, datamodule)
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "trainer": trainer}
     log_hyperparameters(objects)  # rank 0, once: config and parameter counts to every logger
     log.info(f"Testing checkpoint {cfg.ckpt_path}")

@@ -37,7 +37,7 @@ from src.strategies.launchers import preflight  # noqa: E402
 from src.utils.config_checks import check_config  # noqa: E402
 from src.utils.errors import ConfigError  # noqa: E402
 from src.utils.hydra_errors import hydra_main  # noqa: E402
-from src.utils.pylogger import RankedLogger  # noqa: E402
+from src.utils.pylogger import RankedLogger, lightning_lines_held  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
 from src.utils.task import extras, task_wrapper  # noqa: E402
 
@@ -56,16 +56,17 @@ def predict(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Predict with ``cfg.ckpt_path`` on ``cfg.input``; returns ``({"predict/acc": ...} where labelled, objects)``."""
     require_ckpt_path(cfg)
     check_config(cfg)
-    if cfg.get("seed") is not None:
-        L.seed_everything(cfg.seed, workers=True)
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
-    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-    check_checkpoint(cfg.ckpt_path, model)
-    inputs = load_inputs(str(cfg.input), datamodule)  # bad input: one line, before anything is written
-    writer = PredictionWriter(Path(cfg.paths.output_dir) / "predictions.csv", inputs.sources,
-                              classification=getattr(model, "task", None) == "classification")
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=[writer], logger=False)
-    preflight(trainer, model, datamodule)
+    with lightning_lines_held():  # a refusal below is one line on stderr, without Lightning's start-up lines
+        if cfg.get("seed") is not None:
+            L.seed_everything(cfg.seed, workers=True)
+        datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+        model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+        check_checkpoint(cfg.ckpt_path, model)
+        inputs = load_inputs(str(cfg.input), datamodule)  # bad input: one line, before anything is written
+        writer = PredictionWriter(Path(cfg.paths.output_dir) / "predictions.csv", inputs.sources,
+                                  classification=getattr(model, "task", None) == "classification")
+        trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=[writer], logger=False)
+        preflight(trainer, model, datamodule)
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "trainer": trainer, "writer": writer}
     log.info(f"Predicting {len(inputs.sources)} inputs ({cfg.input}) with {cfg.ckpt_path}")
     trainer.predict(model, datamodule=PredictDataModule(datamodule, inputs.dataset), ckpt_path=cfg.ckpt_path,

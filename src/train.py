@@ -40,7 +40,7 @@ from src.utils.instantiators import (  # noqa: E402
     instantiate_loggers,
 )
 from src.utils.logging_utils import log_hyperparameters  # noqa: E402
-from src.utils.pylogger import RankedLogger  # noqa: E402
+from src.utils.pylogger import RankedLogger, lightning_lines_held  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
 from src.utils.task import extras, get_metric_value, task_wrapper  # noqa: E402
 
@@ -60,22 +60,22 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         log.info(f"This run already finished (status.yaml in {cfg.paths.output_dir}): nothing left to do")
         return done, {"cfg": cfg}
     ckpt_path = resume_checkpoint(cfg, cfg.paths.output_dir)
-    if cfg.get("seed") is not None:
-        L.seed_everything(cfg.seed, workers=True)  # same seed on every rank: replicas start identical
-
-    log.info(f"Instantiating datamodule <{cfg.data._target_}>")
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
-    log.info(f"Instantiating model <{cfg.model._target_}>")
-    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-    if ckpt_path:
-        check_checkpoint(ckpt_path, model)
-    loggers = instantiate_loggers(cfg.get("logger"))
-    callbacks = drop_callbacks_needing_a_logger(instantiate_callbacks(cfg.get("callbacks")), loggers)
-    if cfg.get("train"):  # resume and stop signals never depend on what `callbacks` holds
-        callbacks = with_resume_callbacks(callbacks, cfg.paths.output_dir, cfg.last_ckpt_every_n_train_steps)
-    log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
-    preflight(trainer, model, datamodule)  # before any rank starts and before the run is recorded as running
+    with lightning_lines_held():  # a refusal below is one line on stderr, without Lightning's start-up lines
+        if cfg.get("seed") is not None:
+            L.seed_everything(cfg.seed, workers=True)  # same seed on every rank: replicas start identical
+        log.info(f"Instantiating datamodule <{cfg.data._target_}>")
+        datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+        log.info(f"Instantiating model <{cfg.model._target_}>")
+        model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+        if ckpt_path:
+            check_checkpoint(ckpt_path, model)
+        loggers = instantiate_loggers(cfg.get("logger"))
+        callbacks = drop_callbacks_needing_a_logger(instantiate_callbacks(cfg.get("callbacks")), loggers)
+        if cfg.get("train"):  # resume and stop signals never depend on what `callbacks` holds
+            callbacks = with_resume_callbacks(callbacks, cfg.paths.output_dir, cfg.last_ckpt_every_n_train_steps)
+        log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
+        trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+        preflight(trainer, model, datamodule)  # before any rank starts and before the run is recorded as running
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks,
                "logger": loggers, "trainer": trainer}
     log_hyperparameters(objects)  # rank 0, once: config and parameter counts to every logger

@@ -64,6 +64,7 @@ def test_batch_not_divisible_by_replicas_fails_before_launch(tmp_path):
     assert "MEMBER" not in proc.stderr  # no rank was started
     assert (tmp_path / "train" / "runs").is_dir() and not list((tmp_path / "train" / "runs").iterdir()), \
         "a refused run leaves no run directory"
+    assert proc.stderr.strip().splitlines() == [line], "nothing else on stderr (no Lightning start-up lines)"
 
 
 @pytest.mark.fast

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
@@ -39,3 +40,42 @@ class RankedLogger(logging.LoggerAdapter):
         if target in (None, -1) or target == current_rank():
             msg, kwargs = self.process(msg, kwargs)
             self.logger.log(level, msg, *args, **kwargs)
+
+
+# Lightning's own loggers: they print its start-up lines ("Seed set to", "GPU available: ...").
+LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+
+
+@contextlib.contextmanager
+def lightning_lines_held() -> Iterator[None]:
+    """Hold Lightning's start-up lines while a run is built and checked: a run refused with bad input
+    (:class:`~src.utils.errors.UserError`, or exit 2) prints its one error line alone, and the held lines
+    are dropped; otherwise they are printed, in order, when the block ends."""
+    from src.utils.errors import UserError
+
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
+    saved = [(lg, lg.handlers[:], lg.propagate) for lg in loggers]
+    hold = Hold()
+    for lg in loggers:
+        lg.handlers, lg.propagate = [hold], False
+    refused = False
+    try:
+        yield
+    except UserError:
+        refused = True
+        raise
+    except SystemExit as exit_:
+        refused = exit_.code == 2
+        raise
+    finally:
+        for lg, handlers, propagate in saved:
+            lg.handlers, lg.propagate = handlers, propagate
+        if not refused:
+            for record in held:
+                logging.getLogger(record.name).handle(record)
