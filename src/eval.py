@@ -23,13 +23,12 @@ if __name__ == "__main__":
 
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-from src.checkpointing.start import check_checkpoint  # noqa: E402
+from src.checkpointing.start import checkpoint_model, require_ckpt_path  # noqa: E402
 from src.runtime.hydra_launch import isolated_job  # noqa: E402
 from src.strategies.launchers import preflight  # noqa: E402
 from src.utils.config_checks import check_config  # noqa: E402
-from src.utils.errors import ConfigError  # noqa: E402
 from src.utils.hydra_errors import hydra_main  # noqa: E402
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers  # noqa: E402
 from src.utils.logging_utils import log_hyperparameters  # noqa: E402
@@ -41,26 +40,13 @@ log = RankedLogger(__name__)
 register_resolvers()
 
 
-def require_ckpt_path(cfg: DictConfig) -> None:
-    """eval.py tests a checkpoint: say so, in one line, when none was given."""
-    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.get("ckpt_path"):
-        raise ConfigError(
-            "eval.py needs the checkpoint to test and ckpt_path is not set; fix: pass it, e.g. "
-            "ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt"
-        )
-
-
 @task_wrapper
 def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Test ``cfg.ckpt_path``; returns ``(metric_dict, object_dict)``."""
-    require_ckpt_path(cfg)
+    require_ckpt_path(cfg, "eval.py", "test")
     check_config(cfg)
     with lightning_lines_held():  # a refusal below is one line on stderr, without Lightning's start-up lines
-        if cfg.get("seed") is not None:
-            L.seed_everything(cfg.seed, workers=True)
-        datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
-        model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-        check_checkpoint(cfg.ckpt_path, model)
+        datamodule, model = checkpoint_model(cfg)
         trainer: L.Trainer = hydra.utils.instantiate(
             cfg.trainer,
             callbacks=instantiate_callbacks(cfg.get("callbacks")),
@@ -77,7 +63,7 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 @hydra_main(version_base="1.3", config_path="../configs", config_name="eval.yaml")  # config errors: 1 line
 def main(cfg: DictConfig) -> None:
     with isolated_job():
-        require_ckpt_path(cfg)  # before extras prints the config, which holds it
+        require_ckpt_path(cfg, "eval.py", "test")  # before extras prints the config, which holds it
         extras(cfg)
         evaluate(cfg)
 

@@ -28,10 +28,10 @@ if __name__ == "__main__":
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from src.checkpointing.io import load_checkpoint_file  # noqa: E402
-from src.checkpointing.start import check_checkpoint  # noqa: E402
+from src.checkpointing.start import check_checkpoint, require_ckpt_path  # noqa: E402
 from src.runtime.hydra_launch import isolated_job  # noqa: E402
 from src.utils.errors import ConfigError  # noqa: E402
 from src.utils.hydra_errors import hydra_main  # noqa: E402
@@ -46,9 +46,7 @@ TOLERANCE = 1e-4  # the export must give the checkpoint model's outputs within t
 
 
 def check_export_config(cfg: DictConfig) -> None:
-    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.get("ckpt_path"):
-        raise ConfigError("export.py needs the checkpoint to export and ckpt_path is not set; fix: pass it, e.g. "
-                          "ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt")
+    require_ckpt_path(cfg, "export.py", "export")
     if cfg.get("format") not in FORMATS:
         raise ConfigError(f"format={cfg.get('format')!r} is not one of {', '.join(FORMATS)}; fix: e.g. format=onnx")
 

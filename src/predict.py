@@ -26,16 +26,15 @@ if __name__ == "__main__":
 
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from src.callbacks.prediction_writer import PredictionWriter  # noqa: E402
-from src.checkpointing.start import check_checkpoint  # noqa: E402
+from src.checkpointing.start import checkpoint_model, require_ckpt_path  # noqa: E402
 from src.data.predict_datamodule import PredictDataModule  # noqa: E402
 from src.data.predict_inputs import load_inputs  # noqa: E402
 from src.runtime.hydra_launch import isolated_job  # noqa: E402
 from src.strategies.launchers import preflight  # noqa: E402
 from src.utils.config_checks import check_config  # noqa: E402
-from src.utils.errors import ConfigError  # noqa: E402
 from src.utils.hydra_errors import hydra_main  # noqa: E402
 from src.utils.pylogger import RankedLogger, lightning_lines_held  # noqa: E402
 from src.utils.resolvers import register_resolvers  # noqa: E402
@@ -45,23 +44,13 @@ log = RankedLogger(__name__)
 register_resolvers()
 
 
-def require_ckpt_path(cfg: DictConfig) -> None:
-    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.get("ckpt_path"):
-        raise ConfigError("predict.py needs the checkpoint to predict with and ckpt_path is not set; fix: pass it, "
-                          "e.g. ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt")
-
-
 @task_wrapper
 def predict(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Predict with ``cfg.ckpt_path`` on ``cfg.input``; returns ``({"predict/acc": ...} where labelled, objects)``."""
-    require_ckpt_path(cfg)
+    require_ckpt_path(cfg, "predict.py", "predict with")
     check_config(cfg)
     with lightning_lines_held():  # a refusal below is one line on stderr, without Lightning's start-up lines
-        if cfg.get("seed") is not None:
-            L.seed_everything(cfg.seed, workers=True)
-        datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
-        model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-        check_checkpoint(cfg.ckpt_path, model)
+        datamodule, model = checkpoint_model(cfg)
         inputs = load_inputs(str(cfg.input), datamodule)  # bad input: one line, before anything is written
         writer = PredictionWriter(Path(cfg.paths.output_dir) / "predictions.csv", inputs.sources,
                                   classification=getattr(model, "task", None) == "classification")
@@ -77,7 +66,7 @@ def predict(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 @hydra_main(version_base="1.3", config_path="../configs", config_name="predict.yaml")  # config errors: 1 line
 def main(cfg: DictConfig) -> None:
     with isolated_job():
-        require_ckpt_path(cfg)
+        require_ckpt_path(cfg, "predict.py", "predict with")
         extras(cfg)
         predict(cfg)
 

@@ -5,11 +5,33 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src.run.status import continues_own_run
 from src.utils.errors import CheckpointError, ConfigError
+
+
+def require_ckpt_path(cfg: DictConfig, script: str, purpose: str) -> None:
+    """``script`` (eval.py, predict.py, export.py) works on a given checkpoint: say so, in one line, when
+    ``ckpt_path`` is not set."""
+    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.get("ckpt_path"):
+        raise ConfigError(f"{script} needs the checkpoint to {purpose} and ckpt_path is not set; fix: pass it, e.g. "
+                          "ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt")
+
+
+def checkpoint_model(cfg: DictConfig) -> tuple:
+    """Seed, build ``cfg.data`` and ``cfg.model``, and check that ``cfg.ckpt_path`` fits the model: what
+    eval.py and predict.py do before they build the Trainer. Returns ``(datamodule, model)``."""
+    import hydra
+    import lightning as L
+
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    model = hydra.utils.instantiate(cfg.model)
+    check_checkpoint(cfg.ckpt_path, model)
+    return datamodule, model
 
 
 def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module) -> None:

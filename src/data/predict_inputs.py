@@ -30,10 +30,6 @@ class PredictInputs:
     dataset: InMemoryDataset  # targets: the labels, or NO_LABEL
     sources: list[str]
 
-    @property
-    def labelled(self) -> bool:
-        return bool((self.dataset.targets != NO_LABEL).all())
-
 
 def load_inputs(source: str, datamodule) -> PredictInputs:
     """``source``: ``train``/``val``/``test`` (a split of ``datamodule``), a folder of PNG/JPEG files, or a

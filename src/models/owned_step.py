@@ -18,7 +18,6 @@ one info line why not elsewhere; ``true`` refuses an ineligible run; ``false`` n
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import lightning as L
@@ -95,18 +94,24 @@ class OwnedStep:
     def owned_training_step(self, batch: Any, batch_idx: int) -> Tensor:
         """One optimizer step, in the order Lightning's closure runs it, then the schedulers Lightning would step."""
         capture = self._capture
-        if capture is not None and capture.can_replay(batch):
+        if capture is None:
+            loss = self._eager_step(batch)
+        elif capture.can_replay(batch):
             loss = self.record_step("train", capture.step(batch))
         else:
-            with capture.eager_step(batch) if capture is not None else contextlib.nullcontext():
-                optimizer = self.optimizers()
-                loss = self.record_step("train", self.model_step(batch))
-                optimizer.zero_grad()
-                self.manual_backward(loss)
-                optimizer.step()
+            with capture.eager_step():
+                loss = self._eager_step(batch)
         self._epoch_ran_to_end = batch_idx + 1 == self.trainer.num_training_batches
         self._step_schedulers(batch_idx)
         return loss.detach()
+
+    def _eager_step(self, batch: Any) -> Tensor:
+        optimizer = self.optimizers()
+        loss = self.record_step("train", self.model_step(batch))
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
 
     def _step_schedulers(self, batch_idx: int) -> None:
         """Step-interval schedulers after every step, epoch-interval ones after the epoch's last step (before its

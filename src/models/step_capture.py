@@ -170,7 +170,7 @@ class StepCapture:
 
     # -- eager steps -------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def eager_step(self, batch: Any) -> Iterator[None]:
+    def eager_step(self) -> Iterator[None]:
         """Around an eager step: counts the warm-up, and runs warm-up steps on a side stream."""
         self.warmup_left -= 1
         if self.side_stream is None or self.graph is not None:
