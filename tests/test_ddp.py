@@ -24,8 +24,8 @@ EXACT = ["model.net.dropout=0", "data.batch_size=64", "data.val_size=4999", "++t
          "++trainer.limit_val_batches=1.0", "++trainer.limit_test_batches=1.0"]
 
 
-def ddp_fit(rank: int, world_size: int, out_dir: str, data_dir: str) -> dict:
-    """One rank of ``train(cfg)`` with ``trainer=ddp``; returns what the test compares across ranks."""
+def ddp_fit(rank: int, world_size: int, out_dir: str, data_dir: str, trainer_group: str = "ddp") -> dict:
+    """One rank of ``train(cfg)`` with ``trainer=ddp`` (or another group); returns what the test compares."""
     from lightning.pytorch.trainer.states import RunningStage
 
     from src.data.components.in_memory import InMemoryDataset
@@ -50,13 +50,13 @@ def ddp_fit(rank: int, world_size: int, out_dir: str, data_dir: str) -> dict:
         return original_getitems(self, indices)
 
     InMemoryDataset.__getitems__ = recording_getitems
-    cfg = compose_cfg("train", ["trainer=ddp", f"trainer.devices={world_size}", "trainer.accelerator=cpu", *EXACT],
+    cfg = compose_cfg("train", [f"trainer={trainer_group}", f"trainer.devices={world_size}", "trainer.accelerator=cpu", *EXACT],
                       Path(out_dir))
     cfg.paths.data_dir = data_dir
     cfg.data.data_dir = data_dir
     metrics, objects = train(cfg)
     trainer, dm, model = objects["trainer"], objects["datamodule"], objects["model"]
-    # The loader Lightning built for fit (with its injected DistributedSampler), rebuilt the same way.
+    # The loader Lightning built for fit, rebuilt the same way.
     loader = trainer._data_connector._prepare_dataloader(dm.train_dataloader(), shuffle=True,
                                                           mode=RunningStage.TRAINING)
     loader.sampler.set_epoch(0)
@@ -91,10 +91,11 @@ def full_set_metrics(params: dict, dataset, dm, indices=None) -> tuple[float, fl
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
-    """A 2-rank DDP fit (fresh data dir, so data preparation is observed) and the same run on 1 rank."""
+    """A 2-rank DDP fit (fresh data dir, so data preparation is observed) and the same run in one process
+    (``trainer=default``, no process group)."""
     fresh = tmp_path_factory.mktemp("fresh_data")
     two = run_workers(ddp_fit, 2, str(tmp_path_factory.mktemp("ddp2")), str(fresh))
-    one = run_workers(ddp_fit, 1, str(tmp_path_factory.mktemp("ddp1")), str(ROOT / "data"))
+    one = run_workers(ddp_fit, 1, str(tmp_path_factory.mktemp("single")), str(ROOT / "data"), "default")
     return two, one[0], fresh
 
 
@@ -107,13 +108,13 @@ def test_replicas_identical_and_equal_to_single_process(ddp_runs):
 
 
 @pytest.mark.slow
-def test_train_shards_disjoint_and_cover_dataset(ddp_runs):
-    (r0, r1), _, _ = ddp_runs
-    n = 55001  # 60000 - val_size 4999: odd, so DistributedSampler pads one sample
-    a, b = set(r0["train_indices"]), set(r1["train_indices"])
-    assert len(r0["train_indices"]) == len(r1["train_indices"]) == (n + 1) // 2
-    assert a | b == set(range(n))
-    assert len(a & b) == 1  # the single padding sample, repeated so both ranks take the same number of steps
+def test_train_shards_are_slices_of_the_single_process_global_batches(ddp_runs):
+    (r0, r1), single, _ = ddp_runs
+    n, batch = 55001, 64  # 60000 - val_size 4999; the last incomplete global batch is dropped, nothing is padded
+    assert len(r0["train_indices"]) == len(r1["train_indices"]) == (n // batch) * batch // 2
+    assert not set(r0["train_indices"]) & set(r1["train_indices"])
+    halves = [torch.tensor(r["train_indices"]).view(-1, batch // 2) for r in (r0, r1)]
+    assert torch.equal(torch.cat(halves, dim=1).flatten(), torch.tensor(single["train_indices"]))
     for r in (r0, r1):  # what each rank actually trained on is the head of its shard
         assert r["fetched"] == r["train_indices"][: len(r["fetched"])] and len(r["fetched"]) == 8 * 32
 

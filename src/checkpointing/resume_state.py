@@ -84,8 +84,10 @@ class ResumeRandomState(Callback):
         if not states:
             log.warning("The checkpoint holds no random state: the resumed run will not match an uninterrupted one")
         elif len(states) != trainer.world_size:
-            log.warning(f"The checkpoint holds the random state of {len(states)} ranks, this run has "
-                        f"{trainer.world_size}: the resumed run will not match an uninterrupted one")
+            log.warning(f"Resuming a checkpoint of {len(states)} rank(s) on {trainer.world_size}: the weights, the "
+                        "optimizer state and the position in the data carry over; each rank's random streams "
+                        "(dropout, augmentation) start afresh, so the run will not match an uninterrupted one bit "
+                        "for bit")
         else:
             self._pending = states[trainer.global_rank]
 
@@ -122,11 +124,14 @@ class ResumeMetricState(Callback):
     that carry over (``resumable_metrics(mid_epoch)``, :class:`src.models.step_module.StepModule`); their
     states are gathered to every rank as :class:`ResumeRandomState` gathers random states, and restored
     at ``on_train_start``. The epoch's own metrics are kept only by a save inside a training epoch, and
-    restored only when the resume goes on with that epoch.
+    restored only when the resume goes on with that epoch. On another number of ranks, a state every saved
+    rank held alike (the best-so-far tracker) goes to every rank, and rank 0 takes the others merged
+    (torchmetrics' ``merge_state``) while the other ranks start empty: the synced value is the same.
     """
 
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
+        self._saved_ranks: list[dict[str, Any]] | None = None  # every saved rank's states, on a world-size change
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # during validation (an epoch-end save) the epoch's training metrics are complete: a resume from here
@@ -141,17 +146,45 @@ class ResumeMetricState(Callback):
         states = checkpoint.get(METRICS_KEY)
         if states and len(states) == trainer.world_size:
             self._pending = states[trainer.global_rank]
+        elif states:
+            self._saved_ranks = states
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._pending is None:
+        if self._pending is None and self._saved_ranks is None:
             return
         # Lightning ends an epoch resumed from its last batch without more batches: nothing more accumulates there
         loop = trainer.fit_loop
         mid_epoch = loop.restarted_mid_epoch and not loop.epoch_loop.batch_progress.is_last_batch
         for name, metric in _resumable(pl_module, mid_epoch).items():
-            for key, value in self._pending.get(name, {}).items():
-                setattr(metric, key, _to_device(value, metric.device))
-        self._pending = None
+            if self._pending is not None:
+                _set_state(metric, self._pending.get(name, {}))
+            else:
+                _take_from_other_world_size(metric, [s.get(name, {}) for s in self._saved_ranks], trainer.global_rank)
+        self._pending = self._saved_ranks = None
+
+
+def _set_state(metric: Any, state: dict[str, Any]) -> None:
+    for key, value in state.items():
+        setattr(metric, key, _to_device(value, metric.device))
+
+
+def _take_from_other_world_size(metric: Any, saved: list[dict[str, Any]], rank: int) -> None:
+    """This rank's share of ``saved`` (one state per rank of another world size); see :class:`ResumeMetricState`."""
+    if all(_same_state(saved[0], other) for other in saved[1:]):
+        _set_state(metric, saved[0])
+    elif rank == 0:
+        _set_state(metric, saved[0])
+        for other in saved[1:]:
+            metric.merge_state({k: _to_device(v, metric.device) for k, v in other.items()})
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, list):
+            return isinstance(y, list) and len(x) == len(y) and all(map(same, x, y))
+        return isinstance(y, torch.Tensor) and x.shape == y.shape and bool(torch.equal(x, y))
+
+    return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
 
 
 def _resumable(pl_module: L.LightningModule, mid_epoch: bool) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from src.data.components.batch_transforms import normalize, to_unit_float
 from src.data.components.folds import check_fold, stratified_folds
 from src.data.components.global_batch import per_replica_batch_size
 from src.data.components.in_memory import InMemoryDataset, keep_batch
-from src.data.components.resumable_loader import EpochShuffle, ResumableDataLoader
+from src.data.components.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
 from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
 from src.utils.seeding import rank_seed
@@ -29,9 +29,9 @@ class InMemoryDataModule(LightningDataModule):
     * ``batch_size`` is **global**: each data-parallel replica gets ``batch_size // replicas``
       (replicas = DDP world size, or the data-parallel size of a pipeline run; ``dp`` is one
       process and splits the global batch itself). A remainder is an error.
-    * Training uses Lightning's injected ``DistributedSampler``, which pads each epoch with
-      up to ``replicas - 1`` repeated samples so all ranks step together; the loader drops
-      the last incomplete batch.
+    * Training cuts each epoch's order into global batches and gives each replica its slice of every one
+      (:class:`~src.data.components.resumable_loader.GlobalBatchShuffle`): the samples and their order do
+      not depend on the number of ranks, and the last incomplete global batch is dropped.
     * Evaluation uses an unpadded sampler (uneven shards), so distributed val/test metrics
       are computed over every sample exactly once and match a single-device run.
     * Augmentation draws from this rank's own generator (:meth:`augmentation_generator`), so the
@@ -185,7 +185,9 @@ class InMemoryDataModule(LightningDataModule):
                 f"data.batch_size={self.hparams.batch_size} is larger than the training set "
                 f"({len(self.data_train)} samples); fix: lower it"
             )
-        sampler = EpochShuffle(self.data_train, seed=self.hparams.seed)
+        replicas, rank = self._replicas()
+        sampler = GlobalBatchShuffle(self.data_train, seed=self.hparams.seed, global_batch=self.hparams.batch_size,
+                                     num_replicas=replicas, rank=rank)
         return self._loader(self.data_train, sampler=sampler, drop_last=True, loader_class=ResumableDataLoader)
 
     def val_dataloader(self) -> DataLoader:

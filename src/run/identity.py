@@ -16,7 +16,9 @@ writes anything, unless the command names ``hydra.run.dir`` itself. In order:
 3. **A plain command.** With ``auto_resume``, the newest run of this task started with the same
    overrides that did not finish and is not running (its lock is free) is taken over: re-running the
    command continues it from ``checkpoints/last.ckpt``, or starts it again in the same dir when it was
-   killed before its first checkpoint. Otherwise a new directory named from the time, created
+   killed before its first checkpoint. Overrides that only set the world size (``trainer.devices``,
+   ``trainer.num_nodes``) do not count: the same command on another number of ranks continues the run
+   (the data position is counted in global batches; the checkpoint's callbacks say what carried over). Otherwise a new directory named from the time, created
    exclusively (``_2``, ``_3`` ... for runs started in the same second). A run in this root whose
    status says ``running`` while its process is gone from this host is marked ``died`` on the way.
 
@@ -104,13 +106,22 @@ def _unfinished_run(root: Path, overrides: list[str]) -> Path | None:
     for run in sorted(candidates, key=_last_activity, reverse=True):
         mark_if_died(run)
         status = read_status(run)
-        if status in ENDED or _recorded_overrides(run) != overrides:
+        recorded = _recorded_overrides(run)
+        if status in ENDED or recorded is None or without_world_size(recorded) != without_world_size(overrides):
             continue
         if status == RUNNING and not (run / "checkpoints" / "last.ckpt").exists():  # a file, or fsdp's folder
             continue  # its owner may live on another host (its lock would say so only on this one)
         if _lock(run):
             return run
     return None
+
+
+WORLD_SIZE_KEYS = ("trainer.devices", "trainer.num_nodes")
+
+
+def without_world_size(overrides: list[str]) -> list[str]:
+    """``overrides`` less those that only choose how many ranks run (a run resumes on any number of them)."""
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in WORLD_SIZE_KEYS]
 
 
 def _last_activity(run: Path) -> float:

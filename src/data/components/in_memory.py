@@ -14,8 +14,8 @@ class InMemoryDataset(Dataset):
 
     ``__getitems__`` (used by torch's DataLoader when present) gathers a batch with one
     indexing op instead of N ``__getitem__`` calls plus a collate, which is what makes
-    the per-sample PIL pipeline slower than the model on small images. Samplers,
-    including Lightning's injected ``DistributedSampler``, still choose the indices.
+    the per-sample PIL pipeline slower than the model on small images. Samplers still
+    choose the indices.
     """
 
     def __init__(self, inputs: Tensor, targets: Tensor) -> None:

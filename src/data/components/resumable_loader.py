@@ -1,14 +1,16 @@
-"""A DataLoader that can resume in the middle of an epoch, and a shuffle that can be rebuilt for any epoch.
+"""A DataLoader that can resume in the middle of an epoch, on any number of ranks, and the shuffle behind it.
 
 Lightning 2 saves the state of training loaders that implement ``state_dict``/``load_state_dict``
 (its ``_Stateful`` protocol) in every checkpoint, and hands it back before the first ``iter()`` of a
 resumed run. torch's DataLoader has no such state; these two classes add the smallest one that makes
 a resumed epoch see exactly the batches an uninterrupted run would have seen:
 
-* :class:`EpochShuffle` draws each epoch's order from ``(seed, epoch)`` alone, never from the global
-  RNG, so the order of a half-finished epoch can be rebuilt after a restart;
-* :class:`ResumableDataLoader` counts the batches it has handed out in the current epoch and, once
-  restored, skips that many on its next iteration.
+* :class:`GlobalBatchShuffle` draws each epoch's order from ``(seed, epoch)`` alone, never from the global
+  RNG, cuts it into global batches, and gives each replica its slice of every global batch. The global
+  batches depend on the seed, the epoch and the global batch size only: one process, DDP on any number of
+  ranks, fsdp and dp train on the same samples in the same order;
+* :class:`ResumableDataLoader` counts the global batches handed out in the current epoch and, once
+  restored, skips that many on its next iteration, whatever the number of ranks now.
 """
 
 from __future__ import annotations
@@ -17,35 +19,45 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
+from src.utils.errors import ConfigError
 from src.utils.seeding import rank_seed
 
 
-class EpochShuffle(RandomSampler):
-    """A random permutation per epoch, seeded from ``(seed, epoch)``; the loop calls :meth:`set_epoch`.
+class GlobalBatchShuffle(DistributedSampler):
+    """One permutation per epoch from ``(seed, epoch)``, cut into global batches; replica ``rank`` of
+    ``num_replicas`` takes the ``rank``-th contiguous slice of each. The loop calls :meth:`set_epoch`.
 
-    A subclass of :class:`RandomSampler`, so Lightning still sees a shuffled loader and swaps in its
-    ``DistributedSampler`` (itself seeded from seed and epoch) when the run has several replicas.
+    The last incomplete global batch is dropped, so every replica takes the same number of steps and no
+    sample is repeated (torch's ``DistributedSampler`` pads instead, and deals samples round-robin, which
+    makes the batches depend on the number of ranks). A ``DistributedSampler`` subclass, so Lightning
+    keeps it rather than injecting its own.
     """
 
-    def __init__(self, data_source: Sized, seed: int) -> None:
-        super().__init__(data_source, generator=torch.Generator())
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def __init__(self, data_source: Sized, seed: int, global_batch: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(data_source, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        if global_batch % num_replicas:
+            raise ValueError(f"a global batch of {global_batch} does not split over {num_replicas} replicas")
+        self.global_batch = global_batch
+        self.local_batch = global_batch // num_replicas
+        self.global_batches = len(data_source) // global_batch
+        self.num_samples = self.global_batches * self.local_batch
+        self.total_size = self.global_batches * global_batch
 
     def __iter__(self) -> Iterator[int]:
-        self.generator.manual_seed(rank_seed(self.seed, 0, f"shuffle-epoch-{self.epoch}"))
-        return super().__iter__()
+        generator = torch.Generator().manual_seed(rank_seed(self.seed, 0, f"shuffle-epoch-{self.epoch}"))
+        order = torch.randperm(len(self.dataset), generator=generator)[: self.total_size]
+        mine = order.view(self.global_batches, self.num_replicas, self.local_batch)[:, self.rank]
+        return iter(mine.reshape(-1).tolist())
 
 
 class ResumableDataLoader(DataLoader):
     """A DataLoader whose position within the epoch is saved in checkpoints and restored on resume.
 
-    The state is the sampler's epoch and the number of batches handed out in that epoch. Lightning
+    The state is the sampler's epoch, the number of batches handed out in that epoch and the global batch
+    size. Every replica hands out one slice of each global batch, so the count is the same on every rank and
+    means the same position at any number of ranks; a changed global batch cannot resume mid-epoch. Lightning
     knows the loader's length, so it does not prefetch: at a checkpoint, every batch handed out has
     been trained on. Skipped batches are fetched and dropped rather than skipped in the sampler, which
     keeps worker processes (and any randomness they hold) in step with an uninterrupted run.
@@ -57,13 +69,21 @@ class ResumableDataLoader(DataLoader):
         self._resume_at: tuple[int | None, int] | None = None  # (epoch, batches done) from a checkpoint
 
     def state_dict(self) -> dict[str, int | None]:
-        return {"epoch": getattr(self.sampler, "epoch", None), "batches_done": self._batches_done}
+        return {"epoch": getattr(self.sampler, "epoch", None), "batches_done": self._batches_done,
+                "global_batch": self._global_batch()}
 
     def load_state_dict(self, state: dict[str, int | None]) -> None:
-        epoch = state.get("epoch")
+        epoch, done = state.get("epoch"), int(state.get("batches_done") or 0)
+        saved, now = state.get("global_batch"), self._global_batch()
+        if done and saved is not None and saved != now and done < len(self.dataset) // saved:  # stopped mid-epoch
+            raise ConfigError(f"the checkpoint stopped mid-epoch with a global batch of {saved} samples, this run's is "
+                              f"{now}: the rest of that epoch cannot be found; fix: resume with data.batch_size={saved}")
         if epoch is not None and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
-        self._resume_at = (epoch, int(state.get("batches_done") or 0))
+        self._resume_at = (epoch, done)
+
+    def _global_batch(self) -> int | None:
+        return getattr(self.sampler, "global_batch", None)
 
     def __iter__(self) -> Iterator[Any]:
         # Runs at the first next(), after the loop set this epoch. A checkpoint taken at the end of an

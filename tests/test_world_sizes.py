@@ -1,0 +1,70 @@
+"""One data order for every world size: a run killed at one number of ranks resumes on another and ends where
+an uninterrupted one-process run ends, within float rounding (the all-reduce sums in another order).
+
+Real processes and real SIGKILLs. No dropout and no augmentation: those draw from each rank's own stream,
+which cannot carry over to another number of ranks (docs/faults.md). The global batch, 96, splits over 1, 2,
+3 and 4 ranks. ``tests/test_ddp.py`` shows the sampler's slices and DDP x2 against one process directly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.helpers.training_runs import final_weights, finish, run_dirs, start, wait_for_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
+
+# 2 epochs of 12 global batches; a periodic last.ckpt every 3 steps; each step slowed so the kill lands mid-epoch
+SAME_SAMPLES = ["model.net.dropout=0", "data.augment=false", "data.batch_size=96", "trainer.max_epochs=2",
+                "++trainer.limit_train_batches=12"]
+SLOWED = ["+callbacks.slow._target_=src.callbacks.slow_rank.SlowRank", "+callbacks.slow.delay_s=0.05"]
+
+
+def kill_after_first_checkpoint(log_dir, *extra: str) -> None:
+    proc = start(log_dir, *SAME_SAMPLES, *SLOWED, *extra)
+    assert wait_for_checkpoint(proc, log_dir), f"no checkpoint before the run ended: {finish(proc)}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    time.sleep(0.2)  # the kernel drops the run dir's lock with the last process
+
+
+def assert_ends_like(reference, run_dir) -> None:
+    expected, got = final_weights(reference), final_weights(run_dir)
+    stopped = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert stopped == 24, stopped
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_killed_at_4_ranks_the_same_command_on_2_resumes_it(tmp_path, reference_runs):
+    """The re-run changes only ``trainer.devices``: it continues the killed run in its own directory and says
+    in one line what carried over."""
+    reference = reference_runs(*SAME_SAMPLES)
+    log_dir = tmp_path / "runs"
+    kill_after_first_checkpoint(log_dir, "trainer=ddp", "trainer.devices=4")
+    (killed,) = run_dirs(log_dir)
+    step = torch.load(killed / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert 0 < step < 24, step
+
+    again = start(log_dir, *SAME_SAMPLES, *SLOWED, "trainer=ddp", "trainer.devices=2")
+    assert finish(again) == 0, again.stderr_text[-3000:]
+    assert run_dirs(log_dir) == [killed]
+    log = (killed / "train.log").read_text()
+    assert "Resuming a checkpoint of 4 rank(s) on 2: the weights, the optimizer state and the position" in log
+    assert_ends_like(reference, killed)
+
+
+def test_killed_in_one_process_resumes_on_3_ranks_with_ckpt_path(tmp_path, reference_runs):
+    reference = reference_runs(*SAME_SAMPLES)
+    kill_after_first_checkpoint(tmp_path / "one")
+    (killed,) = run_dirs(tmp_path / "one")
+    resumed = start(tmp_path / "three", *SAME_SAMPLES, "trainer=ddp", "trainer.devices=3",
+                    f"ckpt_path={killed / 'checkpoints' / 'last.ckpt'}")
+    assert finish(resumed) == 0, resumed.stderr_text[-3000:]
+    (run_dir,) = run_dirs(tmp_path / "three")
+    assert_ends_like(reference, run_dir)
