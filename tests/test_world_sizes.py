@@ -8,6 +8,7 @@ which cannot carry over to another number of ranks (docs/faults.md). The global 
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import time
@@ -41,9 +42,15 @@ def assert_ends_like(reference, run_dir) -> None:
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def epoch_train_losses(run_dir) -> list[float]:
+    (metrics,) = run_dir.rglob("metrics.csv")
+    return [float(row["train/loss"]) for row in csv.DictReader(metrics.open()) if row.get("train/loss")]
+
+
 def test_killed_at_4_ranks_the_same_command_on_2_resumes_it(tmp_path, reference_runs):
     """The re-run changes only ``trainer.devices``: it continues the killed run in its own directory and says
-    in one line what carried over."""
+    in one line what carried over. The killed epoch's logged training loss is the mean over all its batches:
+    the 4 ranks' running sums, merged onto rank 0 of 2."""
     reference = reference_runs(*SAME_SAMPLES)
     log_dir = tmp_path / "runs"
     kill_after_first_checkpoint(log_dir, "trainer=ddp", "trainer.devices=4")
@@ -57,6 +64,9 @@ def test_killed_at_4_ranks_the_same_command_on_2_resumes_it(tmp_path, reference_
     log = (killed / "train.log").read_text()
     assert "Resuming a checkpoint of 4 rank(s) on 2: the weights, the optimizer state and the position" in log
     assert_ends_like(reference, killed)
+    losses, expected = epoch_train_losses(killed), epoch_train_losses(reference)
+    assert len(losses) == len(expected) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
 
 
 def test_killed_in_one_process_resumes_on_3_ranks_with_ckpt_path(tmp_path, reference_runs):
