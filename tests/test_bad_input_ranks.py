@@ -95,7 +95,20 @@ def test_rendezvous_needs_master_addr_and_port(tmp_path, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     proc = start_second_node(tmp_path, {"NODE_RANK": "1"})
-    assert "MASTER_ADDR and MASTER_PORT" in one_line_exit_2(proc)
+    assert "MASTER_ADDR and MASTER_PORT are not both set" in one_line_exit_2(proc)
+
+
+@pytest.mark.faults
+@pytest.mark.fast
+def test_several_nodes_without_a_launcher_fail_in_one_line_on_node_0(tmp_path, monkeypatch):
+    """``trainer.num_nodes=2`` with no launcher settings: one line and exit 2 at once, where node 0 used to
+    wait without a word (the process-group start has no limit there)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    started = time.monotonic()
+    line = one_line_exit_2(start_second_node(tmp_path, {}))
+    assert "trainer.num_nodes=2" in line and "torchrun --nnodes=2" in line, line
+    assert time.monotonic() - started < 60
 
 
 @pytest.mark.fast

@@ -1,8 +1,9 @@
 """The rendezvous at ``MASTER_ADDR:MASTER_PORT``, checked before any rank starts.
 
-A busy or malformed ``MASTER_PORT`` makes torch's TCP store fail after a long wait, and a node started
-before node 0 retries for the whole process-group timeout (30 minutes by default), then fails with C++
-frames. :func:`check_rendezvous` turns both into one line, before the launch.
+A busy or malformed ``MASTER_PORT`` makes torch's TCP store fail after a long wait, a node started before
+node 0 retries for the whole process-group timeout (30 minutes by default), then fails with C++ frames,
+and several nodes with no address to meet at wait without limit. :func:`check_rendezvous` turns each
+into one line, before the launch.
 """
 
 from __future__ import annotations
@@ -61,7 +62,24 @@ def check_rendezvous(num_nodes: int) -> None:
     """Before a launch that joins a process group: the port is a port and free, and node 0 is reachable."""
     ctx = launch_context()
     check_rendezvous_port(ctx)
+    require_node_zero_address(ctx, num_nodes)
     wait_for_node_zero(ctx, num_nodes)
+
+
+def require_node_zero_address(ctx: LaunchContext, num_nodes: int) -> None:
+    """A plain command for several nodes must say where node 0's rendezvous is (MASTER_ADDR, MASTER_PORT).
+
+    Without them node 0 would host a store on a port of its own choosing and wait, without limit, for nodes
+    that cannot find it. torchrun, SLURM and SkyPilot's node script set them; a bare command does not.
+    """
+    if num_nodes < 2 or not ctx.before_launch or (ctx.master_addr and ctx.master_port):
+        return
+    raise ConfigError(
+        f"trainer.num_nodes={num_nodes} but nothing says where node 0's rendezvous is (MASTER_ADDR and "
+        "MASTER_PORT are not both set), so the nodes would wait for each other without limit; fix: start every "
+        f"node with torchrun --nnodes={num_nodes} (docs/launching.md), or srun under SLURM, or export "
+        "MASTER_ADDR=<node 0's address> MASTER_PORT=<a free port> NODE_RANK=<0..> on every node"
+    )
 
 
 def check_rendezvous_port(ctx: LaunchContext) -> None:
@@ -115,12 +133,7 @@ def wait_for_node_zero(ctx: LaunchContext, num_nodes: int) -> None:
     """
     if num_nodes < 2 or ctx.node_rank == 0 or not ctx.before_launch:
         return
-    addr, port = ctx.master_addr, ctx.master_port
-    if not addr or not port:
-        raise ConfigError(
-            f"NODE_RANK={ctx.node_rank} joins node 0's rendezvous, but MASTER_ADDR and MASTER_PORT are "
-            "not both set; fix: export MASTER_ADDR=<node 0's address> MASTER_PORT=<its port> on every node"
-        )
+    addr, port = ctx.master_addr, ctx.master_port  # both set: require_node_zero_address
     timeout = rendezvous_timeout()
     try:
         reachable = wait_for_listener(addr, int(port), timeout)
