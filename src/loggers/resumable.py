@@ -14,11 +14,12 @@ is given the same id, and MLflow a new run unless it is given the run id. Here:
   TensorBoard's own restart marker (the ``SessionLog.START`` event that ``SummaryWriter(purge_step=)``
   writes): TensorBoard then hides the earlier events of that step and after.
 * :class:`ResumableMLFlowLogger` tags its run with the run's id (:func:`src.run.identity.ensure_run_uid`)
-  and continues the run of that tag, if an earlier attempt made one.
-* W&B is given that id and ``resume: allow`` in ``configs/logger/wandb.yaml``.
-
-W&B and MLflow keep every point they were sent: the replayed steps appear twice there, with the values
-of the uninterrupted run (the resume is bit-exact).
+  and continues the run of that tag, if an earlier attempt made one. It asks the tracking store for the
+  last step it holds of each metric, and does not send a replayed point again (MLflow has no way to replace
+  one: it would keep both).
+* W&B is given that id and ``resume: allow`` in ``configs/logger/wandb.yaml``. W&B keeps every point it
+  was sent: the replayed steps appear twice there, with the values of the uninterrupted run (the resume is
+  bit-exact). Offline, as in the tests, each attempt writes its own files and nothing can be asked.
 """
 
 from __future__ import annotations
@@ -145,11 +146,23 @@ class ResumableMLFlowLogger(MLFlowLogger):
     def __init__(self, experiment_name: str = "lightning_logs", run_uid: str | None = None,
                  tags: dict[str, Any] | None = None, run_id: str | None = None, **kwargs: Any) -> None:
         tags = {**(tags or {}), **({RUN_TAG: run_uid} if run_uid else {})}
+        self._held: dict[str, int] = {}  # metric -> the last step the continued run holds
+        self._key_prefix = f"{kwargs['prefix']}{self.LOGGER_JOIN_CHAR}" if kwargs.get("prefix") else ""
         if run_id is None and run_uid and launch_context().is_launching_process:  # only rank 0 logs
             # MLFlowLogger's own default: MLFLOW_TRACKING_URI, else a file store under save_dir
             uri = kwargs.get("tracking_uri", os.getenv("MLFLOW_TRACKING_URI")) or f"file:{kwargs.get('save_dir', './mlruns')}"
             run_id = earlier_mlflow_run(uri, experiment_name, run_uid)
+            if run_id is not None:
+                self._held = last_steps_held(uri, run_id)
         super().__init__(experiment_name=experiment_name, tags=tags, run_id=run_id, **kwargs)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if self._held and step is not None:  # a resume replays steps the run holds already: send each once
+            metrics = {k: v for k, v in metrics.items() if step > self._held.get(self._key_prefix + k, -1)}
+            if not metrics:
+                return
+        super().log_metrics(metrics, step)
 
 
 def earlier_mlflow_run(tracking_uri: str, experiment_name: str, run_uid: str) -> str | None:
@@ -162,3 +175,12 @@ def earlier_mlflow_run(tracking_uri: str, experiment_name: str, run_uid: str) ->
         return None
     runs = client.search_runs([experiment.experiment_id], f"tags.`{RUN_TAG}` = '{run_uid}'", max_results=1)
     return runs[0].info.run_id if runs else None
+
+
+def last_steps_held(tracking_uri: str, run_id: str) -> dict[str, int]:
+    """Each metric of MLflow run ``run_id`` -> the last step it holds."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    return {key: max(m.step for m in client.get_metric_history(run_id, key))
+            for key in client.get_run(run_id).data.metrics}
