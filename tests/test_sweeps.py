@@ -64,11 +64,12 @@ def job_dirs(sweep: Path) -> list[Path]:
     return sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
 
 
-def study_in(sweep: Path):
-    """The search's Optuna study, read from its journal file."""
+def study_in(sweep: Path, journal: Path | None = None):
+    """The search's Optuna study, read from its journal file (in the sweep dir unless given)."""
     import optuna
 
-    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(sweep / "optuna.journal")))
+    path = str(journal or sweep / "optuna.journal")
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
     return optuna.load_study(study_name="fashion_mnist_mlp", storage=storage)
 
 
@@ -269,3 +270,27 @@ def test_a_study_continues_only_under_the_command_that_started_it(tmp_path):
                                                            "with other overrides (")
     assert "fix: " in proc.stderr and "Traceback" not in proc.stderr
     assert [t.state.name for t in study_in(tmp_path / "sweep").trials] == ["COMPLETE"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("apart_s", [0.0, 3.0], ids=["started-together", "started-apart"])
+def test_searches_sharing_one_study_run_each_trial_once(tmp_path, apart_s):
+    """Two searches, each with its own sweep dir, on one journal file (as from two machines): every trial of
+    the study runs in exactly one of them, and both end cleanly. A running trial belongs to the process
+    running it; the other search takes it over only once that owner is gone."""
+    journal = tmp_path / "shared.journal"
+    overrides = [OPTUNA, "hydra.sweeper.n_trials=4", "test=false", *QUICK,
+                 f"hydra.sweeper.storage.log_storage.file_path={journal}"]
+    searches = []
+    for name in ("a", "b"):
+        command = [sys.executable, str(ROOT / "src" / "train.py"), *search_command(tmp_path, *overrides, sweep=name)]
+        searches.append(subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE))
+        time.sleep(apart_s)
+    outputs = [s.communicate(timeout=300) for s in searches]
+    for search, (out, err) in zip(searches, outputs, strict=True):
+        assert search.returncode == 0 and "Traceback" not in err, out[-1500:] + err[-3000:]
+    ran = [int(job.name) for name in ("a", "b") for job in job_dirs(tmp_path / name) if (job / "result.yaml").exists()]
+    assert sorted(ran) == [0, 1, 2, 3], ran  # each trial once, in one search or the other
+    study = study_in(tmp_path / "a", journal)
+    assert [(t.number, t.state.name) for t in study.trials] == [(n, "COMPLETE") for n in range(4)]

@@ -13,6 +13,7 @@ The search space is written as in hydra-optuna-sweeper, in Hydra's override gram
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -41,12 +42,30 @@ def open_study(sweeper: DictConfig, sampler_seed_offset: int | None = None) -> o
                              sampler=instantiate(sweeper.sampler, **moved))
 
 
-def trial_of_this_job() -> optuna.trial.Trial | None:
-    """The trial this Hydra job runs, when it is a job of an Optuna search (job ``n`` runs trial ``n``).
+def trial_by_number(sweeper: DictConfig, study: optuna.Study, number: int) -> optuna.trial.Trial:
+    """A handle on trial ``number`` of ``study`` (its attributes can be set while it runs).
 
-    Optuna hands out ``Trial`` objects only from ``ask``/``optimize``, in the process that asked; a job may
-    run in another process (a worker, a submitit job), so it builds one from the storage's public lookups.
+    Optuna hands out ``Trial`` objects only from ``ask``/``optimize``, in the process that asked; this one is
+    built from the storage's public lookups, for a trial asked elsewhere (another search, or this job's sweeper).
     """
+    storage = instantiate(sweeper.storage)
+    study_id = storage.get_study_id_from_name(sweeper.study_name)
+    return optuna.trial.Trial(study, storage.get_trial_id_from_study_id_trial_number(study_id, number))
+
+
+def study_file(sweeper: DictConfig) -> Path | None:
+    """The file that holds the study (the journal, or an SQLite database), or None for a database server."""
+    storage = sweeper.storage
+    path = storage.get("log_storage", {}).get("file_path")
+    url = str(storage.get("url") or "")
+    if path is None and url.startswith("sqlite:///"):
+        path = url.removeprefix("sqlite:///")
+    return Path(path) if path else None
+
+
+def trial_of_this_job() -> optuna.trial.Trial | None:
+    """The trial this Hydra job runs, when it is a job of an Optuna search (job ``n`` runs trial ``n``); the job
+    may run in another process than its sweeper (a worker, a submitit job)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -55,11 +74,9 @@ def trial_of_this_job() -> optuna.trial.Trial | None:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN or hc.sweeper.get("storage") is None:  # a plain run, a grid sweep
         return None
-    storage = instantiate(hc.sweeper.storage)
-    study = optuna.load_study(study_name=hc.sweeper.study_name, storage=storage,
+    study = optuna.load_study(study_name=hc.sweeper.study_name, storage=instantiate(hc.sweeper.storage),
                               pruner=instantiate(hc.sweeper.pruner))
-    study_id = storage.get_study_id_from_name(hc.sweeper.study_name)
-    return optuna.trial.Trial(study, storage.get_trial_id_from_study_id_trial_number(study_id, hc.job.num))
+    return trial_by_number(hc.sweeper, study, hc.job.num)
 
 
 def search_space(params: Mapping[str, str] | None, arguments: Sequence[str]) -> tuple[list[str], Distributions]:

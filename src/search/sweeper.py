@@ -14,8 +14,13 @@ after every epoch and stops early when the pruner says so (``src/callbacks/optun
   exactly ``n_trials`` trials run.
 * **Resumable.** The study lives in a file (or database) in the sweep dir. Re-running the same command
   continues it: finished trials are skipped, and a trial left ``RUNNING`` by a killed search runs again in
-  its own dir, from its ``last.ckpt``. While a search runs, its dir is locked (``flock``), so a second
-  command cannot take its trials for dead ones.
+  its own dir, from its ``last.ckpt``. While a search runs, its dir is locked (``flock``).
+* **One study, many searches.** Several searches (other sweep dirs, other machines) may share one storage.
+  A running trial names its owner, the process that runs it (``search_owner``: host, pid, start time and a
+  heartbeat every ``HEARTBEAT_S``). Another search takes it over only when that owner is known to be gone:
+  its process ended on this host, or its heartbeat is older than ``hydra.sweeper.owner_timeout_s``. Taking
+  a trial over and asking for a new one happen under one lock beside the study's file (the journal or the
+  SQLite file; the sweep dir for a database server), so no two searches take the same trial.
 
 Hydra builds its sweeper only from a module under ``hydra_plugins`` (``hydra.core.plugins``), so
 ``hydra_plugins/optuna_search`` holds the ``Sweeper`` Hydra sees; it hands the sweep to :class:`OptunaSearch`.
@@ -26,24 +31,31 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import socket
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
+import psutil
 from hydra.core.utils import JobStatus
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from src.run.lock import try_lock
+from src.run.status import owner_gone
 from src.runtime.hydra_launch import entry_command
-from src.search.study import open_study, search_space, trial_overrides
+from src.search.study import open_study, search_space, study_file, trial_by_number, trial_overrides
 from src.utils.errors import ConfigError
 
-SEARCH_LOCK, ASK_LOCK = ".search.lock", ".ask.lock"  # in the sweep dir
+SEARCH_LOCK, ASK_LOCK = ".search.lock", ".ask.lock"  # in the sweep dir; the ask lock beside the study's file
+OWNER = "search_owner"  # a running trial's user attribute: the process that runs it, and its last heartbeat
+HEARTBEAT_S = 30.0
 # Hydra overrides a worker gets from the sweep itself, not from the command that started the sweep
-_SET_FOR_WORKERS = ("hydra.mode", "hydra.sweep.dir", "hydra.sweeper.worker", "hydra.sweeper.resume")
+_SET_FOR_WORKERS = ("hydra.mode", "hydra.sweep.dir", "hydra.sweeper.worker")
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -67,43 +79,55 @@ class OptunaSearch:
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)  # the journal file goes there before any job runs
         fixed, space = search_space(sweeper.params, arguments)
+        self.ask_lock = _ask_lock_path(sweeper, sweep_dir)
         if self.worker is not None:  # a worker of a parallel search: its share of the trials
             offset = self.worker + self.n_jobs * len(open_study(sweeper).trials)  # unique per worker and restart
-            self._run_trials(open_study(sweeper, sampler_seed_offset=offset), fixed, space, list(sweeper.resume))
+            self._run_trials(open_study(sweeper, sampler_seed_offset=offset), fixed, space)
             return
         lock = _hold_search_lock(sweep_dir)  # released by the kernel when this process and its workers end
         study = open_study(sweeper, sampler_seed_offset=0)
         self._check_same_command(study, sweep_dir)
-        stale = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+        stale = [t.number for t in self._left_behind(study)]
         done = len(study.get_trials(deepcopy=False, states=FINISHED))
         print(f"[search] study {sweeper.study_name} in {sweep_dir}: {done} of {self.n_trials} trials done"
               + (f", {len(stale)} to resume ({', '.join(map(str, stale))})" if stale else "")
               + f"; {self.n_jobs} at a time", flush=True)
         if self.n_jobs == 1:
-            self._run_trials(study, fixed, space, stale)
+            self._run_trials(study, fixed, space)
         else:
-            self._run_workers(stale, lock)
+            self._run_workers(lock)
 
     # -- trials ----------------------------------------------------------------------------------------
-    def _run_trials(self, study: optuna.Study, fixed: list[str], space: dict, resume: list[int]) -> None:
-        """Run the trials a killed search left running, then ask for new ones until ``n_trials`` have started."""
+    def _run_trials(self, study: optuna.Study, fixed: list[str], space: dict) -> None:
+        """Take over trials whose search is gone, and ask for new ones until ``n_trials`` have started."""
         parent = os.getppid()
-        for number in resume:
-            self._run_trial(study, number, study.trials[number].params, fixed)
-        sweep_dir = Path(self.config.hydra.sweep.dir)
         while self.worker is None or os.getppid() == parent:  # a worker whose sweep is gone starts nothing new
-            with _locked(sweep_dir / ASK_LOCK):
-                started = study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
-                if len(started) >= self.n_trials:
-                    return
-                trial = study.ask(space)
-            self._run_trial(study, trial.number, trial.params, fixed)
+            with _locked(self.ask_lock):
+                left = self._left_behind(study)
+                if left:
+                    number, params = left[0].number, left[0].params
+                else:
+                    started = study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+                    if len(started) >= self.n_trials:
+                        return
+                    asked = study.ask(space)
+                    number, params = asked.number, asked.params
+                trial = trial_by_number(self.sweeper, study, number)
+                trial.set_user_attr(OWNER, _owner_record())  # under the lock: no other search takes it now
+            self._run_trial(study, trial, params, fixed)
 
-    def _run_trial(self, study: optuna.Study, number: int, params: dict, fixed: list[str]) -> None:
+    def _left_behind(self, study: optuna.Study) -> list[FrozenTrial]:
+        """The running trials whose owner is known to be gone (see the module docstring)."""
+        timeout = float(self.sweeper.get("owner_timeout_s") or 120)
+        return [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if _owner_is_gone(t, timeout)]
+
+    def _run_trial(self, study: optuna.Study, trial: optuna.trial.Trial, params: dict, fixed: list[str]) -> None:
         """Trial ``number`` as job ``number``; its result told to the study (a pruned trial was told already)."""
+        number = trial.number
         seed = self.config.get("seed")
         seed = seed + number if self.sweeper.seed_per_trial and seed is not None else None
-        [job] = self.launcher.launch([trial_overrides(fixed, params, seed)], initial_job_idx=number)
+        with _heartbeat(trial):
+            [job] = self.launcher.launch([trial_overrides(fixed, params, seed)], initial_job_idx=number)
         told = study.get_trials(deepcopy=False)[number]  # a study's trials are listed in the order of their numbers
         if told.state == TrialState.RUNNING:  # else pruned: the job's rank 0 told the study so
             # a value of NaN or None: Optuna records the trial as FAIL and says why
@@ -126,10 +150,10 @@ class OptunaSearch:
                 "it with those to continue it, or start another search with hydra.sweeper.study_name=<new name>")
 
     # -- parallel workers ------------------------------------------------------------------------------
-    def _run_workers(self, stale: list[int], lock: int) -> None:
+    def _run_workers(self, lock: int) -> None:
         """Start ``n_jobs`` workers (this command, ``hydra.sweeper.worker=i``) and wait for them all."""
         cwd = self.config.hydra.runtime.cwd
-        workers = [subprocess.Popen(self._worker_command(i, stale[i::self.n_jobs]), cwd=cwd, pass_fds=(lock,),
+        workers = [subprocess.Popen(self._worker_command(i), cwd=cwd, pass_fds=(lock,),
                                     env={**os.environ, **self._worker_devices(i)}) for i in range(self.n_jobs)]
         try:
             codes = [w.wait() for w in workers]
@@ -142,12 +166,11 @@ class OptunaSearch:
         if failed:
             raise SystemExit(failed)
 
-    def _worker_command(self, worker: int, resume: list[int]) -> list[str]:
+    def _worker_command(self, worker: int) -> list[str]:
         hc = self.config.hydra
         inherited = [o for o in hc.overrides.hydra if not o.lstrip("~+").startswith(_SET_FOR_WORKERS)]
         return [*entry_command(hc), *inherited, *hc.overrides.task, f'hydra.sweep.dir="{hc.sweep.dir}"',
-                "hydra.mode=MULTIRUN", f"hydra.sweeper.worker={worker}",
-                f"hydra.sweeper.resume=[{','.join(map(str, resume))}]"]
+                "hydra.mode=MULTIRUN", f"hydra.sweeper.worker={worker}"]
 
     def _worker_devices(self, worker: int) -> dict[str, str]:
         """``CUDA_VISIBLE_DEVICES`` for a worker whose jobs run in its own process: its share of the GPUs.
@@ -166,6 +189,49 @@ class OptunaSearch:
         per_worker = max(1, len(ids) // self.n_jobs)  # fewer GPUs than workers: they share, round robin
         mine = (ids[(worker * per_worker + i) % len(ids)] for i in range(per_worker))
         return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
+def _owner_record() -> dict:
+    me = psutil.Process()
+    return {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time(), "beat": time.time()}
+
+
+def _owner_is_gone(trial: FrozenTrial, timeout_s: float) -> bool:
+    """True when the process running ``trial`` ended on this host, or its heartbeat is ``timeout_s`` old.
+
+    A trial with no owner was asked by a search that died before it could name itself (or by an older
+    version of this search, which named none).
+    """
+    owner = trial.user_attrs.get(OWNER)
+    if not isinstance(owner, dict):
+        return True
+    return owner_gone(owner) or time.time() - float(owner.get("beat", 0)) > timeout_s
+
+
+@contextlib.contextmanager
+def _heartbeat(trial: optuna.trial.Trial) -> Iterator[None]:
+    """While the trial's job runs, refresh its owner's heartbeat every ``HEARTBEAT_S``."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(Exception):  # a finished trial takes no attributes; the next beat retries
+                trial.set_user_attr(OWNER, _owner_record())
+
+    thread = threading.Thread(target=beat, name="search-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _ask_lock_path(sweeper: DictConfig, sweep_dir: Path) -> Path:
+    """The lock every search of this study takes to ask or take over a trial: beside the study's file, or
+    in the sweep dir when the study is on a database server (one search per study there)."""
+    path = study_file(sweeper)
+    return path.with_name(path.name + ASK_LOCK) if path is not None else sweep_dir / ASK_LOCK
 
 
 def _hold_search_lock(sweep_dir: Path) -> int:
