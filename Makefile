@@ -41,8 +41,9 @@ train-pipeline: $(STAMP) ## Pipeline parallel: the model split into DEVICES stag
 train-torchrun: $(STAMP) ## DDP under torchrun (one node, DEVICES processes)
 	torchrun --standalone --nproc_per_node=$(DEVICES) src/train.py trainer=ddp trainer.devices=$(DEVICES) $(ARGS)
 
-test: $(STAMP) ## Run the whole test suite (multi-process tests included; about 32 min on 2 cores)
-	$(PYTHON) -m pytest -q
+test: $(STAMP) ## Run the whole test suite: two test files at a time (pytest-xdist), then the timed ones alone
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PYTHON) -m pytest -q -m serial
 
 test-fast: $(STAMP) ## Run the quick subset (pytest -m fast)
 	$(PYTHON) -m pytest -q -m fast

@@ -58,6 +58,8 @@ from tests.helpers import collectives_workers as workers
 from tests.helpers.multiprocess import run_workers
 from tests.helpers.run_if import requires_2_gpus, requires_nccl
 
+pytestmark = pytest.mark.serial  # a hung collective must time out within a bound of seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers.training_runs import finish, run_dirs, start, wait_for_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.faults]
+pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.serial]  # bounds on seconds
 
 LONG = ["trainer.devices=2", "trainer.max_epochs=50", "trainer.strategy.hang_timeout_s=5"]
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers.watchdog_load import measure
 
-pytestmark = [pytest.mark.slow, pytest.mark.faults]
+pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.serial]  # store requests per second
 
 RANKS, TIMEOUT_S = 24, 5.0
 
