@@ -148,3 +148,31 @@ def test_a_ddp_spawn_multirun_logs_every_job_to_wandb(tmp_path):
     runs = sorted(tmp_path.glob("train/multiruns/*/*/wandb/offline-run-*/run-*.wandb"))
     assert len(runs) == 2, runs
     assert {_wandb_config(run)["seed"] for run in runs} == {1, 2}
+
+
+@pytest.mark.fast
+def test_a_new_csv_column_never_leaves_the_file_half_written(tmp_path, monkeypatch):
+    """CSVLogger rewrites metrics.csv in place when a column appears (a kill then emptied it). Here the wider
+    file is written aside and swapped in: a failure before the swap leaves every earlier row in place."""
+    import csv as csv_module
+
+    from src.loggers import resumable
+    from src.loggers.resumable import ResumableCSVLogger
+
+    logger = ResumableCSVLogger(str(tmp_path))
+    for step in range(3):
+        logger.log_metrics({"lr": 0.1}, step=step)
+
+    def killed(*args):
+        raise KeyboardInterrupt("killed before the swap")
+
+    monkeypatch.setattr(resumable.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        logger.log_metrics({"lr": 0.1, "val/acc": 0.5}, step=3)
+    with open(logger.metrics_file, newline="") as f:
+        assert [row["step"] for row in csv_module.DictReader(f)] == ["0", "1", "2"]
+    monkeypatch.undo()
+    logger.log_metrics({"lr": 0.1, "val/acc": 0.5}, step=3)
+    with open(logger.metrics_file, newline="") as f:
+        rows = list(csv_module.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3"] and rows[-1]["val/acc"] == "0.5"

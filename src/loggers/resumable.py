@@ -10,6 +10,8 @@ is given the same id, and MLflow a new run unless it is given the run id. Here:
   (:class:`src.checkpointing.continue_logs.ContinueLogs` tells the loggers when a fit starts), so the rows of
   that step and after are dropped from the file before the new ones are written (CSVLogger has no such
   option). Rows are written as they are logged, so a kill loses none of the steps the checkpoint holds.
+  Every rewrite of the file is atomic: CSVLogger rewrites it in place when a new column appears, and a kill
+  during that rewrite emptied it; here the new header is written first, to a temp file swapped in whole.
 * :class:`ResumableTensorBoardLogger` keeps ``version_0`` and, at the first metrics a fit logs, writes
   TensorBoard's own restart marker (the ``SessionLog.START`` event that ``SummaryWriter(purge_step=)``
   writes): TensorBoard then hides the earlier events of that step and after.
@@ -50,6 +52,7 @@ class ResumableCSVLogger(CSVLogger):
                          flush_logs_every_n_steps=flush_logs_every_n_steps)
         self._writer: Any = None
         self._replays = False  # the next metrics logged start a fit's replay
+        self._key_prefix = f"{prefix}{self.LOGGER_JOIN_CHAR}" if prefix else ""
 
     @property
     def metrics_file(self) -> Path:
@@ -79,6 +82,9 @@ class ResumableCSVLogger(CSVLogger):
         if self._replays and step is not None:
             _drop_rows_from(self.experiment, self.metrics_file, step)
         self._replays = False
+        # columns this save would add: widen the header here, atomically, so CSVLogger only appends
+        keys = {self._key_prefix + k for k in metrics} | {"step"} | set().union(*self.experiment.metrics)
+        _widen_header(self.experiment, self.metrics_file, keys)
         super().log_metrics(metrics, step)
 
 
@@ -87,24 +93,44 @@ def _header(path: Path) -> list[str]:
         return next(csv.reader(f), [])
 
 
-def _drop_rows_from(writer: Any, path: Path, step: int) -> None:
-    """Rewrite ``path`` without its rows of ``step`` and after (atomically: a kill leaves the old or new file)."""
-    if not path.is_file():
-        return
+def _read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
-        fields = list(reader.fieldnames or [])
-    kept = [row for row in rows if not row.get("step") or int(float(row["step"])) < step]
-    if len(kept) == len(rows):
-        return
+        return list(reader.fieldnames or []), rows
+
+
+def _write_rows(writer: Any, path: Path, fields: list[str], rows: list[dict[str, str]]) -> None:
+    """Replace ``path`` with ``fields`` and ``rows`` atomically (a kill leaves the old or the new file)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", newline="") as f:
         out = csv.DictWriter(f, fieldnames=fields)
         out.writeheader()
-        out.writerows(kept)
+        out.writerows(rows)
     os.replace(tmp, path)
     writer.metrics_keys = fields
+
+
+def _drop_rows_from(writer: Any, path: Path, step: int) -> None:
+    """Rewrite ``path`` without its rows of ``step`` and after."""
+    if not path.is_file():
+        return
+    fields, rows = _read_rows(path)
+    kept = [row for row in rows if not row.get("step") or int(float(row["step"])) < step]
+    if len(kept) < len(rows):
+        _write_rows(writer, path, fields, kept)
+
+
+def _widen_header(writer: Any, path: Path, keys: set[str]) -> None:
+    """Add the columns ``keys`` that ``path`` lacks (sorted, as CSVLogger orders them), keeping every row."""
+    new = keys - set(writer.metrics_keys)
+    if not new:
+        return
+    fields = sorted([*writer.metrics_keys, *new])
+    if path.is_file():
+        _write_rows(writer, path, fields, _read_rows(path)[1])
+    else:
+        writer.metrics_keys = fields
 
 
 class ResumableTensorBoardLogger(TensorBoardLogger):
