@@ -4,7 +4,8 @@ torch's collectives notice a dead peer (gloo: "Connection closed by peer", withi
 one; a frozen peer (stopped, swapped out, stuck holding the GIL), or one whose main thread is stuck in a
 collective its peers never join or in a blocking call, only after the process-group timeout (10 min
 here), after which the stuck rank is left running. torchelastic's agent watches its own node's workers
-only, and Lightning's launcher watches nothing.
+only, and Lightning's launcher SIGKILLs every rank when a child fails, naming none
+(:mod:`src.runtime.child_guard` replaces it, and leaves this watchdog time to speak first).
 
 :class:`RankWatchdog` adds a heartbeat through the rendezvous store. Every ``interval_s`` a daemon thread
 in each rank writes one key: a counter, and the rank's progress (training, validation and test batches

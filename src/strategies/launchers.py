@@ -26,6 +26,7 @@ from typing import Any
 import lightning as L
 
 from src.data.components.global_batch import per_replica_batch_size
+from src.runtime.child_guard import guard_child_ranks
 from src.runtime.hydra_launch import entry_command
 from src.runtime.local_store import STORE_ENV, prepare_local_store
 from src.runtime.rendezvous import check_rendezvous
@@ -81,12 +82,25 @@ def _local_store_for_this_launch() -> Iterator[None]:
 
 
 class PreflightSubprocessLauncher(compat.SubprocessScriptLauncher):
-    """Lightning's popen launcher: checks the run first, then starts child ranks with this Hydra job's command."""
+    """Lightning's popen launcher: checks the run first, then starts child ranks with this Hydra job's command.
+
+    Lightning's launch, but with the project's guard over the child ranks instead of Lightning's
+    (:mod:`src.runtime.child_guard`: it leaves the watchdog time to name a failed rank); ``guards_children``
+    False starts them unguarded.
+    """
+
+    guards_children = True
 
     def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         _preflight_launch(trainer, args, fresh_store=False)
         with compat.hydra_child_command(child_command), _local_store_for_this_launch():
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+            if not self.cluster_environment.creates_processes_externally:
+                compat.start_child_ranks(self)
+                if self.guards_children:
+                    guard_child_ranks(self.procs)
+            compat.set_num_threads_if_needed(self.num_processes)
+            return function(*args, **kwargs)
 
 
 class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
@@ -99,21 +113,13 @@ class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
 
 
 class PSSubprocessLauncher(PreflightSubprocessLauncher):
-    """The popen launcher of ``trainer=ps``: Lightning's launch without its child watcher.
+    """The popen launcher of ``trainer=ps``: no guard over the child ranks.
 
-    Lightning's watcher SIGKILLs every rank when one child exits non-zero; under ps a worker may die and
-    the job goes on, and a server's failure is seen and named by the ranks that talk to it
-    (:mod:`src.strategies.ps`).
+    A guard ends every rank when one child exits non-zero; under ps a worker may die and the job goes on,
+    and a server's failure is seen and named by the ranks that talk to it (:mod:`src.strategies.ps`).
     """
 
-    def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
-        _preflight_launch(trainer, args, fresh_store=False)
-        with compat.hydra_child_command(child_command), _local_store_for_this_launch():
-            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-            if not self.cluster_environment.creates_processes_externally:
-                compat.start_child_ranks(self)
-            compat.set_num_threads_if_needed(self.num_processes)
-            return function(*args, **kwargs)
+    guards_children = False
 
 
 # -- the command of a child rank under Hydra -------------------------------------------------------------

@@ -148,11 +148,11 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: torch._C._distributed_c10d, "_dump_fr_trace", "a stuck rank's flight-recorder record"),
     (lambda: fabric_distributed, "_set_num_threads_if_needed", "the ps launcher"),
     (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_call_children_scripts",
-     "the ps launcher (Lightning's launch without its child watcher)"),
+     "the popen launchers (Lightning's launch with the project's guard over child ranks)"),
     (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_set_num_threads_if_needed",
-     "the ps launcher (Lightning's launch without its child watcher)"),
+     "the popen launchers (Lightning's launch with the project's guard over child ranks)"),
     (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_launch_process_observer",
-     "the ps launcher (Lightning's launch without its child watcher)"),
+     "the popen launchers (Lightning's launch with the project's guard over child ranks)"),
 )
 
 
