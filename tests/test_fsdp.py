@@ -274,6 +274,21 @@ def test_eval_in_one_process_gives_the_test_metrics_of_4_ranks(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_predict_in_one_process_on_the_folder_of_shards_gives_the_test_accuracy(runs, tmp_path):
+    """``src/predict.py input=test`` on one process reads the 4 ranks' folder of shards: one row per test sample,
+    and the accuracy of its rows is the 4-rank run's test accuracy."""
+    run = runs(4, *FSDP)[0]
+    proc = run_entry("predict", f"ckpt_path={run['best']}", "input=test", "trainer=cpu", "extras.print_config=false",
+                     f"hydra.run.dir={tmp_path}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "predictions.csv") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 10_000
+    accuracy = sum(row["predicted"] == row["label"] for row in table) / len(table)
+    assert accuracy == pytest.approx(run["test"]["test/acc"], abs=1e-6)
+
+
+@pytest.mark.slow
 def test_a_sharded_checkpoint_exports_to_onnx(runs, tmp_path):
     """``src/export.py`` consolidates the 4 ranks' folder of shards into one model, then exports it; the ONNX file
     gives that model's outputs within 1e-4 (checked by export.py, which refuses to write a file that differs)."""
