@@ -274,8 +274,8 @@ def test_async_ps_reaches_ddps_test_accuracy_on_the_same_samples(tmp_path):
     """The default model and data (Fashion-MNIST MLP, Adam, real data): 1 server + 3 async workers against DDP on 3
     ranks, both two epochs of a 192-sample global batch (64 per worker or rank), so the same samples and the same
     number of global steps. Test accuracy ends within 3 points: asynchronous updates land in a different order
-    on every run, and a busy machine makes them staler (CI saw 0.841 against 0.866 beside another test), so
-    it runs alone (serial). (At one epoch async is still a little behind:
+    on every run, and a busy machine makes them staler (figures: docs/parameter-server.md), so it runs alone
+    (serial). (At one epoch async is still a little behind:
     docs/parameter-server.md.) Validation runs on the whole set: the checkpoint tested is the better epoch, not
     the one a few batches happened to favour."""
     common = ["trainer.accelerator=cpu", "data.batch_size=192", "trainer.max_epochs=2",
