@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import csv
+import os
+import signal
 import statistics
+import sys
+import time
 
 import pytest
 import torch
@@ -13,7 +17,9 @@ import yaml
 from src.data.components.folds import check_fold, stratified_folds
 from src.data.toy_datamodule import ToyDataModule
 from src.utils.errors import ConfigError
+from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
+from tests.helpers.training_runs import finish, launch
 
 
 @pytest.mark.fast
@@ -58,7 +64,7 @@ def test_one_command_runs_every_fold_and_cv_yaml_agrees_with_their_logs(tmp_path
     proc = run_entry("train", "hparams_search=kfold", "model=toy", "data=toy", "data.n_folds=3", "data.fold=0,1,2",
                      "trainer.max_epochs=1", "+trainer.limit_train_batches=5", "test=false", f"paths.log_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (cv_file,) = tmp_path.glob("train/multiruns/*/cv.yaml")
+    cv_file = tmp_path / "train" / "cross_validation" / "kfold" / "cv.yaml"
     cv = yaml.safe_load(cv_file.read_text())
     assert cv["metric"] == "val/loss" and cv["n_folds"] == 3 and cv["completed"] == 3
     logged = {}
@@ -71,3 +77,46 @@ def test_one_command_runs_every_fold_and_cv_yaml_agrees_with_their_logs(tmp_path
     assert cv["mean"] == pytest.approx(statistics.fmean(logged.values()))
     assert cv["std"] == pytest.approx(statistics.stdev(logged.values()))
     assert "[cv] val/loss over 3 of 3 folds" in proc.stdout
+
+
+def trained(job):
+    """What a fold's training left: its status and its logged metrics."""
+    return (job / "status.yaml").read_text(), next(job.glob("csv/*/metrics.csv")).read_text()
+
+
+KFOLD = ["hparams_search=kfold", "model=toy", "data=toy", "data.n_folds=3", "data.fold=0,1,2", "test=false"]
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_killed_cross_validation_continues_its_folds(tmp_path):
+    """SIGKILL the k-fold command while fold 1 trains. The same command again trains fold 0 no more, resumes
+    fold 1 from its last.ckpt, runs fold 2, and cv.yaml holds all three; another command there is refused."""
+    command = [*KFOLD, "trainer.max_epochs=40", "+trainer.limit_train_batches=5", f"paths.log_dir={tmp_path}"]
+    sweep = tmp_path / "train" / "cross_validation" / "kfold"
+    proc = launch([sys.executable, str(ROOT / "src" / "train.py"), *command])
+    deadline = time.monotonic() + 240
+    while not ((sweep / "1" / "checkpoints" / "last.ckpt").is_file() and not (sweep / "1" / "result.yaml").exists()):
+        assert proc.poll() is None and time.monotonic() < deadline, "fold 1 was not caught mid-training"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    finish(proc)
+    fold_0 = trained(sweep / "0")
+
+    again = run_entry("train", *command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert trained(sweep / "0") == fold_0
+    assert "This run already finished" in (sweep / "0" / "train.log").read_text()
+    assert f"Resuming this run from {sweep / '1' / 'checkpoints' / 'last.ckpt'}" in (sweep / "1" / "train.log").read_text()
+    assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1", "2"]
+    with open(next((sweep / "1").glob("csv/*/metrics.csv"))) as f:
+        epochs = [int(r["epoch"]) for r in csv.DictReader(f) if r["val/loss"]]
+    assert epochs == list(range(40))  # the resumed fold validated each epoch once
+    cv = yaml.safe_load((sweep / "cv.yaml").read_text())
+    assert cv["completed"] == 3 and sorted(cv["folds"]) == [0, 1, 2]
+
+    other = run_entry("train", *KFOLD, "trainer.max_epochs=41", "+trainer.limit_train_batches=5",
+                      f"paths.log_dir={tmp_path}")
+    assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith(
+        f"error: the cross-validation in {sweep} was started with other overrides")
+    assert yaml.safe_load((sweep / "cv.yaml").read_text()) == cv

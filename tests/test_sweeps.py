@@ -208,6 +208,34 @@ def test_killed_search_resumes_without_repeating_finished_trials(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_search_on_the_cross_validated_mean(tmp_path):
+    """hydra.sweeper.cv_folds=2: each trial is two fold jobs with the same sampled parameters, its value is
+    the mean of what the folds logged, fold 0 alone reports to the pruner, and best.yaml ranks trials."""
+    import statistics
+
+    proc, sweep = run_search(tmp_path, OPTUNA, "hydra.sweeper.n_trials=2", "hydra.sweeper.cv_folds=2", "test=false",
+                             *QUICK)
+    assert [j.name for j in job_dirs(sweep)] == ["0", "1", "2", "3"]  # trial n, fold i: job 2n + i
+    study = study_in(sweep)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    for trial in study.trials:
+        jobs = [sweep / str(2 * trial.number + fold) for fold in (0, 1)]
+        overrides = [list(OmegaConf.load(job / ".hydra" / "overrides.yaml")) for job in jobs]
+        for fold, job_overrides in enumerate(overrides):
+            assert "data.n_folds=2" in job_overrides and f"data.fold={fold}" in job_overrides
+            assert all(f"{name}={value}" in job_overrides for name, value in trial.params.items())
+        values = [logged_best(job) for job in jobs]
+        assert values[0] != values[1]  # the folds validate on other samples
+        assert trial.user_attrs["cv_values"] == pytest.approx(values, abs=1e-7)
+        assert trial.value == pytest.approx(statistics.fmean(values), abs=1e-7)
+        assert trial.intermediate_values == pytest.approx({0: values[0]}, abs=1e-7)  # fold 0's report
+    best = OmegaConf.load(sweep / "best.yaml")
+    assert best.trials == 2 and best.completed == 2 and best.job == study.best_trial.number
+    assert best.value == pytest.approx(study.best_value, abs=1e-7) and "data.fold=0" not in best.overrides
+    assert proc.stdout.count("(mean of 2 folds)") == 2 and "[sweep] best of 2 trials: trial " in proc.stdout
+
+
+@pytest.mark.slow
 def test_optuna_search_with_ddp(tmp_path):
     """2 trials with trainer=ddp trainer.devices=2: each trial's two ranks stay in that trial's dir, and only
     rank 0 reports to the study (one value per epoch)."""

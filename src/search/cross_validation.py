@@ -1,7 +1,10 @@
 """After a k-fold multirun (``hparams_search=kfold``): every fold's metric, their mean and spread, in ``cv.yaml``.
 
-Reads the ``result.yaml`` each job left (:class:`src.utils.hydra_callbacks.SweepRecord`), so it works
-whatever ran the jobs (one process, submitit). The fold comes from each job's ``data.fold=`` override.
+The folds of one cross-validation share a sweep dir for life, so re-running the command continues them. The
+command that started them is kept there (``cv_command.yaml``); another one is refused before any fold runs,
+as its folds would not compare. The summary reads the ``result.yaml`` each job left
+(:class:`src.utils.hydra_callbacks.SweepRecord`), so it works whatever ran the jobs (one process, submitit).
+The fold comes from each job's ``data.fold=`` override.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from src.utils.errors import exit_with_error
 from src.utils.hydra_callbacks import RESULT_FILE
 
 CV_FILE = "cv.yaml"  # in the sweep dir
+COMMAND_FILE = "cv_command.yaml"  # in the sweep dir: the task overrides of the command that started it
 
 
 def fold_of(overrides: list[str]) -> int | None:
@@ -24,6 +29,19 @@ def fold_of(overrides: list[str]) -> int | None:
 
 
 class CrossValidationSummary(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        command, kept = list(config.hydra.overrides.task), sweep_dir / COMMAND_FILE
+        if not kept.is_file():
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(OmegaConf.create(command), kept)
+            return
+        started_with = list(OmegaConf.load(kept))
+        if started_with != command:
+            exit_with_error(f"the cross-validation in {sweep_dir} was started with other overrides "
+                            f"({' '.join(started_with)}); fix: run it with those to continue it, or give this one "
+                            "its own cv_name=<name>")
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         results = [OmegaConf.to_container(OmegaConf.load(p)) for p in sweep_dir.glob(f"**/{RESULT_FILE}")]

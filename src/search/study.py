@@ -64,8 +64,9 @@ def study_file(sweeper: DictConfig) -> Path | None:
 
 
 def trial_of_this_job() -> optuna.trial.Trial | None:
-    """The trial this Hydra job runs, when it is a job of an Optuna search (job ``n`` runs trial ``n``); the job
-    may run in another process than its sweeper (a worker, a submitit job)."""
+    """The trial this Hydra job reports to, when it is a job of an Optuna search (job ``n`` runs trial ``n``); the
+    job may run in another process than its sweeper (a worker, a submitit job). With ``cv_folds=K``, job ``n``
+    runs fold ``n % K`` of trial ``n // K``, and only fold 0 reports: the folds' epochs would clash."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -74,9 +75,12 @@ def trial_of_this_job() -> optuna.trial.Trial | None:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN or hc.sweeper.get("storage") is None:  # a plain run, a grid sweep
         return None
+    folds = hc.sweeper.get("cv_folds") or 1
+    if hc.job.num % folds:
+        return None
     study = optuna.load_study(study_name=hc.sweeper.study_name, storage=instantiate(hc.sweeper.storage),
                               pruner=instantiate(hc.sweeper.pruner))
-    return trial_by_number(hc.sweeper, study, hc.job.num)
+    return trial_by_number(hc.sweeper, study, hc.job.num // folds)
 
 
 def search_space(params: Mapping[str, str] | None, arguments: Sequence[str]) -> tuple[list[str], Distributions]:

@@ -7,6 +7,8 @@ after every epoch and stops early when the pruner says so (``src/callbacks/optun
 
 * **One trial, one job, one dir.** Trial ``n`` is job ``n`` in ``<sweep dir>/n`` and trains with
   ``seed + n`` (``seed_per_trial``), both kept for the life of the study.
+* **Cross-validated.** With ``cv_folds=K`` a trial is K jobs, fold ``i`` of ``data.n_folds=K`` each (job
+  ``n*K + i``), and its value is the mean of theirs. Fold 0 runs first and alone reports to the pruner.
 * **Parallel.** With ``n_jobs > 1`` the sweep starts that many worker processes, each this same command
   with ``hydra.sweeper.worker=i``: each runs trials one after another against the shared study, as Optuna's
   own parallel optimisation does. A worker gets its share of the GPUs (``CUDA_VISIBLE_DEVICES``) when its
@@ -32,6 +34,7 @@ import contextlib
 import fcntl
 import os
 import socket
+import statistics
 import subprocess
 import threading
 import time
@@ -71,8 +74,13 @@ class OptunaSearch:
         if sweeper.n_trials < 1 or sweeper.n_jobs < 1:
             raise ConfigError(f"hydra.sweeper.n_trials={sweeper.n_trials}, n_jobs={sweeper.n_jobs}; "
                               "fix: both at least 1")
+        folds = sweeper.get("cv_folds")
+        if folds is not None and (isinstance(folds, bool) or not isinstance(folds, int) or folds < 2):
+            raise ConfigError(f"hydra.sweeper.cv_folds={folds!r} must be an integer >= 2; fix: set it, or null for "
+                              "one validation split per trial")
         self.config, self.launcher, self.sweeper = config, launcher, sweeper
         self.n_trials, self.n_jobs, self.worker = sweeper.n_trials, sweeper.n_jobs, sweeper.get("worker")
+        self.folds = folds
 
     def sweep(self, arguments: list[str]) -> None:
         sweeper = self.sweeper
@@ -127,16 +135,34 @@ class OptunaSearch:
         seed = self.config.get("seed")
         seed = seed + number if self.sweeper.seed_per_trial and seed is not None else None
         with _heartbeat(trial):
-            [job] = self.launcher.launch([trial_overrides(fixed, params, seed)], initial_job_idx=number)
+            jobs = self._launch(study, number, trial_overrides(fixed, params, seed))
+        failed = next((job for job in jobs if job.status != JobStatus.COMPLETED), None)
         told = study.get_trials(deepcopy=False)[number]  # a study's trials are listed in the order of their numbers
         if told.state == TrialState.RUNNING:  # else pruned: the job's rank 0 told the study so
+            if self.folds:
+                trial.set_user_attr("cv_values", [job.return_value for job in jobs])
             # a value of NaN or None: Optuna records the trial as FAIL and says why
-            told = study.tell(number, job.return_value if job.status == JobStatus.COMPLETED else None,
-                              state=None if job.status == JobStatus.COMPLETED else TrialState.FAIL)
+            told = study.tell(number, None if failed else _mean([job.return_value for job in jobs]),
+                              state=TrialState.FAIL if failed else None)
         value = "" if told.value is None else f", value {told.value:.6g}"  # pruned: its last reported value
-        print(f"[search] trial {number}: {told.state.name}{value}", flush=True)
-        if job.status != JobStatus.COMPLETED:
-            _ = job.return_value  # raises the job's error, as Hydra's own sweepers do
+        over = f" (mean of {len(jobs)} folds)" if self.folds and told.state == TrialState.COMPLETE else ""
+        print(f"[search] trial {number}: {told.state.name}{value}{over}", flush=True)
+        if failed:
+            _ = failed.return_value  # raises the job's error, as Hydra's own sweepers do
+
+    def _launch(self, study: optuna.Study, number: int, overrides: list[str]) -> list:
+        """Trial ``number`` as job ``number``; with ``cv_folds=K``, as jobs ``number*K + i``, fold ``i`` each.
+
+        Fold 0 runs first and alone reports to the pruner: a trial pruned there runs no other fold.
+        """
+        if not self.folds:
+            return list(self.launcher.launch([overrides], initial_job_idx=number))
+        folds = [[*overrides, f"data.n_folds={self.folds}", f"data.fold={i}"] for i in range(self.folds)]
+        jobs = list(self.launcher.launch(folds[:1], initial_job_idx=number * self.folds))
+        running = study.get_trials(deepcopy=False)[number].state == TrialState.RUNNING
+        if jobs[0].status == JobStatus.COMPLETED and running:
+            jobs += self.launcher.launch(folds[1:], initial_job_idx=number * self.folds + 1)
+        return jobs
 
     def _check_same_command(self, study: optuna.Study, sweep_dir: Path) -> None:
         """A study continues only under the command that started it: its results must stay comparable."""
@@ -189,6 +215,13 @@ class OptunaSearch:
         per_worker = max(1, len(ids) // self.n_jobs)  # fewer GPUs than workers: they share, round robin
         mine = (ids[(worker * per_worker + i) % len(ids)] for i in range(per_worker))
         return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
+def _mean(values: list) -> float | None:
+    """The mean of the jobs' values; None (the trial fails) when one is not a number."""
+    if not values or any(isinstance(v, bool) or not isinstance(v, int | float) for v in values):
+        return None
+    return statistics.fmean(values)
 
 
 def _owner_record() -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +45,39 @@ class SweepRecord(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         results = sorted((OmegaConf.to_container(OmegaConf.load(p)) for p in sweep_dir.glob(f"**/{RESULT_FILE}")),
                          key=lambda r: r["job"])
+        folds, unit = config.hydra.sweeper.get("cv_folds"), "job"
+        if folds:  # an Optuna search on the cross-validated mean: its trials compete, not their folds
+            results, unit = trials_of_folds(results, folds), "trial"
         best = best_result(results, config.get("optimized_mode", "max"))
         if best is None:
-            print(f"[sweep] no job returned a metric; results in {sweep_dir}", flush=True)
+            print(f"[sweep] no {unit} returned a metric; results in {sweep_dir}", flush=True)
             return
         swept = [o for o in best["overrides"] if not all(o in r["overrides"] for r in results)]
         record = {"metric": config.get("optimized_metric"), "mode": config.get("optimized_mode", "max"), **best,
-                  "swept": swept, "jobs": len(results),
+                  "swept": swept, f"{unit}s": len(results),
                   "completed": sum(r["status"] == "COMPLETED" for r in results),
                   "pruned": sum(r["status"] == "PRUNED" for r in results)}
         OmegaConf.save(OmegaConf.create(record), sweep_dir / BEST_FILE)
-        print(f"[sweep] best of {len(results)} jobs: job {best['job']}, {record['metric']}={best['value']:.6g} "
+        print(f"[sweep] best of {len(results)} {unit}s: {unit} {best['job']}, {record['metric']}={best['value']:.6g} "
               f"({record['mode']}) with {' '.join(swept or best['overrides'])}; saved to {sweep_dir / BEST_FILE}",
               flush=True)
+
+
+def trials_of_folds(results: list[dict], folds: int) -> list[dict]:
+    """The results of a search's fold jobs (job ``n*K + i``: fold ``i`` of trial ``n``), one per trial: its
+    value is the mean over its K folds, when all K completed."""
+    trials: dict[int, list[dict]] = {}
+    for result in results:
+        trials.setdefault(result["job"] // folds, []).append(result)
+    merged = []
+    for number, jobs in sorted(trials.items()):
+        values = [j["value"] for j in jobs if j["status"] == "COMPLETED"]
+        complete = len(values) == folds and all(isinstance(v, int | float) for v in values)
+        status = "COMPLETED" if complete else next((j["status"] for j in jobs if j["status"] != "COMPLETED"), "RUNNING")
+        own = [o for o in jobs[0]["overrides"] if o.split("=", 1)[0] not in ("data.n_folds", "data.fold")]
+        merged.append({"job": number, "overrides": own, "dir": jobs[0]["dir"], "status": status,
+                       "value": statistics.fmean(values) if complete else None, "folds": values})
+    return merged
 
 
 def best_result(results: list[dict], mode: str) -> dict | None:
