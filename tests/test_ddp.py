@@ -175,6 +175,20 @@ TINY_RUN = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_
             "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2", "extras.print_config=false"]
 
 
+@pytest.mark.slow
+@pytest.mark.faults
+def test_ddp_spawn_names_the_rank_that_failed_not_its_healthy_peer(tmp_path):
+    """Rank 1 fails, its connections close at once and its exit takes 3 s more (as a logger's finish can).
+    Rank 0 loses its peer first, yet the error the user sees is rank 1's, and rank 0 only says it stopped."""
+    proc = run_entry("train", "trainer=ddp_spawn", "trainer.devices=2", *TINY_RUN, "test=false",
+                     "+callbacks.fail._target_=tests.helpers.failing_rank.FailingRank", f"paths.log_dir={tmp_path}")
+    assert proc.returncode != 0
+    assert "Process 1 terminated with the following error" in proc.stderr, proc.stderr[-3000:]
+    assert "RuntimeError: the failure of rank 1" in proc.stderr
+    assert "rank 0: stopping because another rank failed" in proc.stderr
+    assert "Connection closed by peer" not in proc.stderr  # the healthy rank's gloo error is not the report
+
+
 def launch_ranks(envs: list[dict], per_rank_args, params_dir: Path) -> list[dict]:
     """Start one ``python src/train.py`` per env (as separate nodes or srun tasks would), wait, load each rank's params."""
     procs = []

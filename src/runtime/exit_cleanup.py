@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
@@ -110,11 +111,20 @@ def exit_after_peer_failure(rank: int) -> None:
 
 
 def announce_peer_failure(rank: int) -> None:
-    """Print this rank's one quiet line; a child of Lightning's launcher then lets the launcher exit first."""
+    """Print this rank's one quiet line, then let the failed rank be the one its launcher reports.
+
+    A child of Lightning's launcher waits for the launcher to exit first. A ``ddp_spawn`` rank waits for its
+    parent to end it: torch's spawn reports the first rank to exit non-zero and SIGTERMs the others, so a
+    healthy rank that exited first would be named in place of the failed one, whose teardown (a logger's
+    finish, say) can outlast its closed connections.
+    """
     print(
         f"rank {rank}: stopping because another rank failed (its error is above)", file=sys.stderr, flush=True
     )
-    if launch_context().launcher == CHILD:
+    spawned = multiprocessing.parent_process() is not None
+    if launch_context().launcher == CHILD or spawned:
+        if spawned and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's SIGTERM ends this wait at once
         deadline = time.monotonic() + _LAUNCHER_EXIT_WAIT_S
         while os.getppid() == _STARTED_BY and time.monotonic() < deadline:
             time.sleep(0.05)

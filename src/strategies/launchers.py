@@ -27,11 +27,13 @@ import lightning as L
 
 from src.data.components.global_batch import per_replica_batch_size
 from src.runtime.child_guard import guard_child_ranks
+from src.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
 from src.runtime.hydra_launch import entry_command
 from src.runtime.local_store import STORE_ENV, prepare_local_store
 from src.runtime.rendezvous import check_rendezvous
 from src.utils import lightning_compat as compat
 from src.utils.hooks import ChecksBeforeLaunch, GlobalBatch, WritesDataDir
+from src.utils.pylogger import current_rank
 
 # -- the pre-flight: once per trainer and model, before any rank starts ------------------------------------
 _checked: weakref.WeakKeyDictionary[L.Trainer, tuple[int, int]] = weakref.WeakKeyDictionary()
@@ -104,12 +106,29 @@ class PreflightSubprocessLauncher(compat.SubprocessScriptLauncher):
 
 
 class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
-    """Lightning's spawn launcher: checks the run first, in the parent, before any rank starts."""
+    """Lightning's spawn launcher: checks the run first, in the parent, before any rank starts; a rank that
+    lost its peer stops quietly (:class:`StopsQuietlyOnPeerFailure`), so the parent reports the failed rank."""
 
     def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         _preflight_launch(trainer, args, fresh_store=True)
         with _local_store_for_this_launch():
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            return super().launch(StopsQuietlyOnPeerFailure(function), *args, trainer=trainer, **kwargs)
+
+
+class StopsQuietlyOnPeerFailure:
+    """A spawned rank's work: when a collective lost its peer, one quiet line and a wait for the parent, which
+    then names the rank that failed (torch's spawn reports the first rank to exit with an error)."""
+
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.function(*args, **kwargs)
+        except Exception as err:
+            if peer_failed(err):
+                exit_after_peer_failure(current_rank())
+            raise
 
 
 class PSSubprocessLauncher(PreflightSubprocessLauncher):
