@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from src.data.mnist_datamodule import FashionMNISTDataModule, MNISTDataModule
-from src.utils.errors import CheckpointError, ConfigError, DataError
+from src.utils.errors import CheckpointError, ConfigError, DataError, print_error
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 
@@ -73,6 +73,13 @@ def test_missing_data_names_the_fixes(tmp_path):
     with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist") as err:
         dm.prepare_data()
     assert str(tmp_path) in str(err.value)
+
+
+@pytest.mark.fast
+def test_an_error_with_a_cause_of_many_lines_is_printed_as_one(capsys):
+    print_error("mnist not found and the download failed: Tried a, got:\n<urlopen error>\nTried b; fix: copy it")
+    assert capsys.readouterr().err == "error: mnist not found and the download failed: Tried a, got: <urlopen error> " \
+                                      "Tried b; fix: copy it\n"
 
 
 @pytest.mark.fast

@@ -91,6 +91,7 @@ class CIFAR10DataModule(InMemoryDataModule):
 
     task = "classification"  # pairs with models of the same task (src/utils/config_checks.py)
     channels, image_size, num_classes = 3, 32, 10
+    fetches_data_in_prepare = True  # the pre-flight runs prepare_data before any rank starts
     mean, std = CIFAR10_MEAN, CIFAR10_STD
 
     def __init__(

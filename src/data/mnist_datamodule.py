@@ -37,6 +37,7 @@ class MNISTDataModule(InMemoryDataModule):
 
     channels, image_size, num_classes = 1, 28, 10
     task = "classification"  # pairs with models of the same task (src/utils/config_checks.py)
+    fetches_data_in_prepare = True  # the pre-flight runs prepare_data before any rank starts
 
     def __init__(
         self,
@@ -72,7 +73,7 @@ class MNISTDataModule(InMemoryDataModule):
         return [self.raw_dir / Path(name).name.removesuffix(".gz") for name, _ in self.dataset_cls.resources]
 
     def check_data_dir(self) -> None:
-        """Pre-flight (before any rank starts): when the files are not there yet, their folder must be writable."""
+        """When the files are not there yet, their folder must be writable."""
         if not all(f.is_file() for f in self._raw_files()):
             check_writable_dir(self.raw_dir, f"the {self.hparams.dataset} files")
 

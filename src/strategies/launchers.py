@@ -32,7 +32,7 @@ from src.runtime.hydra_launch import entry_command
 from src.runtime.local_store import STORE_ENV, prepare_local_store
 from src.runtime.rendezvous import check_rendezvous
 from src.utils import lightning_compat as compat
-from src.utils.hooks import ChecksBeforeLaunch, GlobalBatch, WritesDataDir
+from src.utils.hooks import ChecksBeforeLaunch, FetchesData, GlobalBatch
 from src.utils.pylogger import current_rank
 
 # -- the pre-flight: once per trainer and model, before any rank starts ------------------------------------
@@ -43,7 +43,7 @@ def preflight(trainer: L.Trainer, model: L.LightningModule, datamodule: L.Lightn
     """The checks that need the built Trainer, model and data, before any rank starts; root causes first.
 
     The strategy checks itself against the model (``check_before_launch``: model structure first, then its
-    settings), a DataModule that writes files checks its folder, the project's DataModules check the
+    settings), a DataModule that fetches its files does so, the project's DataModules check the
     global-batch rule, and a multi-process run checks its rendezvous. Runs once per trainer, model and data:
     ``src/train.py`` calls it before it records the run as running, and the launchers above call it for a
     Trainer built without ``src/train.py``.
@@ -54,13 +54,19 @@ def preflight(trainer: L.Trainer, model: L.LightningModule, datamodule: L.Lightn
     strategy = trainer.strategy
     if isinstance(strategy, ChecksBeforeLaunch):
         strategy.check_before_launch(trainer, model, datamodule)
-    if isinstance(datamodule, WritesDataDir):  # a DataModule that writes its files: into a folder it can write
-        datamodule.check_data_dir()
+    if isinstance(datamodule, FetchesData) and datamodule.fetches_data_in_prepare and _prepares_data(trainer, datamodule):
+        datamodule.prepare_data()  # where Lightning would run it in the fit: found, or one line now
     if isinstance(datamodule, GlobalBatch) and datamodule.batch_size_is_global:  # others keep their meaning
         per_replica_batch_size(datamodule.hparams.batch_size, strategy)
     if trainer.world_size > 1 or trainer.num_nodes > 1:
         check_rendezvous(trainer.num_nodes)
     _checked[trainer] = key
+
+
+def _prepares_data(trainer: L.Trainer, datamodule: L.LightningDataModule) -> bool:
+    """This process is the one Lightning has prepare the data: local rank 0, or global rank 0 when the data is
+    prepared once for every node (``prepare_data_per_node=False``)."""
+    return (trainer.local_rank if datamodule.prepare_data_per_node else trainer.global_rank) == 0
 
 
 def _preflight_launch(trainer: L.Trainer | None, args: tuple, fresh_store: bool) -> None:

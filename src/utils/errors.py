@@ -34,7 +34,7 @@ def user_error_cause(err: BaseException) -> UserError | None:
 
 def print_error(message: str) -> None:
     """The one printer of failures a user reads: ``error: <what is wrong>; fix: <how>`` on stderr."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)  # one line, whatever a cause held
 
 
 def exit_with_error(message: str, code: int = 2, printed: bool = True) -> NoReturn:

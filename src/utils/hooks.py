@@ -31,10 +31,12 @@ class ChecksTrainerConfig(Protocol):
 
 
 @runtime_checkable
-class WritesDataDir(Protocol):
-    """A DataModule that writes its files (downloads, caches): its folder must be writable."""
+class FetchesData(Protocol):
+    """A DataModule whose ``prepare_data`` only finds, extracts or downloads its files, so a second call does
+    nothing: the pre-flight calls it before any rank starts, and missing data is one line, not a failure
+    inside the fit."""
 
-    def check_data_dir(self) -> None: ...
+    fetches_data_in_prepare: bool
 
 
 @runtime_checkable
