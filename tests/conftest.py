@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -36,14 +38,25 @@ def make_cfg(tmp_path):
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory):
     """``reference_runs(*extra)``: the run dir of one uninterrupted ``TRAIN`` run per ``extra``, shared by the
-    fault tests (they only read its final weights), so each reference trains once per session."""
+    fault tests (they only read its final weights), so each reference trains once per test run: in a folder
+    that pytest-xdist's workers share, the first worker to need it trains it while the others wait."""
     from tests.helpers.training_runs import reference_run
 
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's folder; each worker's basetemp is a folder in it
     done: dict[tuple[str, ...], Path] = {}
 
     def get(*extra: str) -> Path:
         if extra not in done:
-            done[extra] = reference_run(tmp_path_factory.mktemp("reference"), *extra)
+            folder = shared / f"reference-{hashlib.sha1(chr(0).join(extra).encode()).hexdigest()[:12]}"
+            with open(f"{folder}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                made = folder / "run_dir"
+                if not made.is_file():
+                    folder.mkdir(exist_ok=True)
+                    made.write_text(str(reference_run(folder, *extra)))
+                done[extra] = Path(made.read_text())
         return done[extra]
 
     return get
