@@ -43,10 +43,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import torch.distributed as dist
 from torch.distributed import Store, TCPStore
 
 from src.runtime.exit_cleanup import announce_peer_failure
-from src.runtime.launch_context import launch_context
+from src.runtime.launch_context import LaunchContext, launch_context
 from src.utils.errors import print_error
 from src.utils.pylogger import RankedLogger
 
@@ -101,11 +102,7 @@ class RankWatchdog:
         if self._store is None:
             self._store = TCPStore(ctx.master_addr, int(ctx.master_port), is_master=False,
                                    timeout=dt.timedelta(seconds=self.timeout_s))
-        # A torchrun restart keeps the agent's store, and fit then test start two watchdogs on one store:
-        # keys of an earlier attempt or session must not count. Every rank counts its sessions on this store.
-        attempt = ctx.restart_count
-        session = self._store.add(f"lightning_hydra_template/watchdog/{attempt}/sessions/{self.rank}", 1)
-        self.prefix = f"lightning_hydra_template/watchdog/{attempt}/{session}/"
+        self.prefix = f"lightning_hydra_template/watchdog/{self._session(ctx)}/"
         if self.rank == 0:
             self._store.set(self._key("verdict"), "")  # exists before any rank reads it (one request, no wait)
         self._store.set(self._key("info", self.rank), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
@@ -121,6 +118,21 @@ class RankWatchdog:
         self._progress_since = now
         self._thread = threading.Thread(target=self._run, name="rank-watchdog", daemon=True)
         self._thread.start()
+
+    def _session(self, ctx: LaunchContext) -> str:
+        """A name for this watchdog's keys that every rank shares and no earlier one used: a torchrun restart keeps
+        the agent's store, and fit then test start two watchdogs on one store.
+
+        With a process group, rank 0 draws a number from a counter on the store and gives it to every rank: after
+        an elastic change of nodes, the agents' restart counts differ. Without one (many ranks simulated on one
+        store), each rank counts its own sessions within its restart attempt.
+        """
+        if dist.is_available() and dist.is_initialized():
+            number = [self._store.add("lightning_hydra_template/watchdog/sessions", 1) if self.rank == 0 else None]
+            dist.broadcast_object_list(number, src=0)
+            return f"s{number[0]}"
+        attempt = ctx.restart_count
+        return f"{attempt}/{self._store.add(f'lightning_hydra_template/watchdog/{attempt}/sessions/{self.rank}', 1)}"
 
     def finish(self, reported: bool = False) -> None:
         """This rank ends on purpose (teardown, or an error it reports itself): stop beating, tell the peers."""
