@@ -11,12 +11,24 @@ from __future__ import annotations
 import csv
 import os
 import signal
+import sys
 import time
 
+import psutil
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from tests.helpers.training_runs import final_weights, finish, run_dirs, start, wait_for_checkpoint
+from tests.helpers.config import ROOT
+from tests.helpers.training_runs import (
+    TRAIN,
+    final_weights,
+    finish,
+    launch,
+    run_dirs,
+    start,
+    wait_for_checkpoint,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
@@ -77,4 +89,54 @@ def test_killed_in_one_process_resumes_on_3_ranks_with_ckpt_path(tmp_path, refer
                     f"ckpt_path={killed / 'checkpoints' / 'last.ckpt'}")
     assert finish(resumed) == 0, resumed.stderr_text[-3000:]
     (run_dir,) = run_dirs(tmp_path / "three")
+    assert_ends_like(reference, run_dir)
+
+
+def elastic_node(log_dir, port: int, hosts_rendezvous: bool):
+    """One node of ``torchrun --nnodes=1:2`` (one process per node) on loopback, in its own session. torch's
+    rendezvous store sharing is off: with it, a node joining a world whose rank 0 stays rank 0 waits for a
+    master address nobody publishes (docs/faults.md)."""
+    conf = f"is_host={str(hosts_rendezvous).lower()},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", f"--rdzv-conf={conf}",
+               "--monitor-interval=0.5", str(ROOT / "src" / "train.py"), *TRAIN, *SAME_SAMPLES,
+               "+callbacks.slow._target_=src.callbacks.slow_rank.SlowRank", "+callbacks.slow.delay_s=0.6",
+               "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2", "trainer.strategy.sigterm_check_every_n_batches=1",
+               f"paths.log_dir={log_dir}"]
+    return launch(command, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+
+
+def wait_for_line(log_dir, text: str, node, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(text in (d / "train.log").read_text() for d in run_dirs(log_dir) if (d / "train.log").is_file()):
+        assert node.poll() is None and time.monotonic() < deadline, f"no {text!r} in the run's log"
+        time.sleep(0.1)
+
+
+def test_an_elastic_torchrun_loses_a_node_goes_on_alone_and_takes_it_back(tmp_path, reference_runs):
+    """Two torchrun agents, ``--nnodes=1:2``. Node 1 (agent and worker) is killed mid-epoch: node 0 restarts
+    at one node, says so in one line and resumes from last.ckpt. Node 1 started again joins: both restart at
+    two nodes and resume. The run ends where an uninterrupted one-process run ends, within float rounding."""
+    reference = reference_runs(*SAME_SAMPLES)
+    log_dir, port = tmp_path / "runs", find_free_network_port()
+    first = elastic_node(log_dir, port, hosts_rendezvous=True)
+    second = elastic_node(log_dir, port, hosts_rendezvous=False)
+    try:
+        assert wait_for_checkpoint(first, log_dir), "no checkpoint before the run ended"
+        node = psutil.Process(second.pid)
+        for process in [*node.children(recursive=True), node]:  # the whole node: its agent and its worker
+            process.kill()
+        second.wait(timeout=60)
+        wait_for_line(log_dir, "torchrun started 1 node(s) of 1 process(es), not trainer.num_nodes=2", first)
+        again = elastic_node(log_dir, port, hosts_rendezvous=False)
+        assert finish(first, timeout=300) == 0, first.stderr_text[-3000:]
+        assert finish(again, timeout=300) == 0, again.stderr_text[-3000:]
+    finally:
+        for node in (first, second, *([again] if "again" in locals() else [])):
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    (run_dir,) = run_dirs(log_dir)
+    log = (run_dir / "train.log").read_text()
+    assert "Resuming a checkpoint of 2 rank(s) on 1" in log and "Resuming a checkpoint of 1 rank(s) on 2" in log
+    assert "status: finished" in (run_dir / "status.yaml").read_text()
     assert_ends_like(reference, run_dir)

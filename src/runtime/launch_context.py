@@ -37,6 +37,7 @@ class LaunchContext:
     local_rank: int | None = None
     node_rank: int = 0
     world_size: int | None = None
+    local_world_size: int | None = None  # processes on this node (torchrun's --nproc_per_node)
     master_addr: str | None = None
     master_port: str | None = None
     job_id: str | None = None  # kept across requeues and spot recoveries (SLURM, SkyPilot)
@@ -97,7 +98,7 @@ def read_launch_context(env: Mapping[str, str] | None = None) -> LaunchContext:
                   slurm_job=slurm_job, node_rank=int(env.get("NODE_RANK") or env.get("GROUP_RANK") or 0))
     if env.get("TORCHELASTIC_RUN_ID"):
         return LaunchContext(TORCHRUN, _int(env.get("RANK")), _int(env.get("LOCAL_RANK")),
-                             world_size=_int(env.get("WORLD_SIZE")),
+                             world_size=_int(env.get("WORLD_SIZE")), local_world_size=_int(env.get("LOCAL_WORLD_SIZE")),
                              restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT") or 0),
                              torchrun_run_id=env["TORCHELASTIC_RUN_ID"],
                              torchrun_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", **common)
