@@ -121,6 +121,7 @@ def test_an_elastic_torchrun_loses_a_node_goes_on_alone_and_takes_it_back(tmp_pa
     log_dir, port = tmp_path / "runs", find_free_network_port()
     first = elastic_node(log_dir, port, hosts_rendezvous=True)
     second = elastic_node(log_dir, port, hosts_rendezvous=False)
+    again = None
     try:
         assert wait_for_checkpoint(first, log_dir), "no checkpoint before the run ended"
         node = psutil.Process(second.pid)
@@ -132,8 +133,8 @@ def test_an_elastic_torchrun_loses_a_node_goes_on_alone_and_takes_it_back(tmp_pa
         assert finish(first, timeout=300) == 0, first.stderr_text[-3000:]
         assert finish(again, timeout=300) == 0, again.stderr_text[-3000:]
     finally:
-        for node in (first, second, *([again] if "again" in locals() else [])):
-            if node.poll() is None:
+        for node in (first, second, again):
+            if node is not None and node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
     (run_dir,) = run_dirs(log_dir)
     log = (run_dir / "train.log").read_text()

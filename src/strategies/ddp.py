@@ -64,7 +64,7 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife,
 
     def build_launcher(self) -> PreflightSubprocessLauncher | PreflightMultiprocessingLauncher:
         """Lightning's choice of launcher (as its own DDPStrategy makes it), with the pre-flight added."""
-        self.nodes_of_this_launch()
+        self.follow_torchrun_nodes()
         start_method = compat.start_method_of(self)
         if start_method == "popen":
             return PreflightSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)

@@ -47,23 +47,21 @@ def collective_timeout(timeout: timedelta | float | None) -> timedelta:
 class ProcessLife:
     """Strategy mixin (list it before Lightning's strategy class); call :meth:`init_process_life` in ``__init__``."""
 
-    def nodes_of_this_launch(self) -> int:
-        """``num_nodes`` as torchrun started this world. With ``--nnodes=MIN:MAX`` it restarts the workers at
-        whatever number of nodes is left (or has joined), and Lightning refuses a ``devices x num_nodes`` that
+    def follow_torchrun_nodes(self) -> None:
+        """Take ``num_nodes`` from the world torchrun started. With ``--nnodes=MIN:MAX`` it restarts the workers
+        at whatever number of nodes is left (or has joined), and Lightning refuses a ``devices x num_nodes`` that
         is not the world size: the node count follows torchrun's, said once in one line. The run then resumes
         from its ``last.ckpt`` with the same global batch."""
         ctx = launch_context()
         if (ctx.launcher != TORCHRUN or not ctx.world_size or ctx.local_world_size != self.num_processes
                 or ctx.world_size % self.num_processes):
-            return self.num_nodes
+            return
         nodes = ctx.world_size // self.num_processes
         if nodes != self.num_nodes:
-            if ctx.rank == 0:
-                log.warning(f"torchrun started {nodes} node(s) of {self.num_processes} process(es), not "
-                            f"trainer.num_nodes={self.num_nodes} (an elastic --nnodes=MIN:MAX launch): training on "
-                            f"{nodes * self.num_processes} rank(s), same global batch")
+            log.warning(f"torchrun started {nodes} node(s) of {self.num_processes} process(es), not "
+                        f"trainer.num_nodes={self.num_nodes} (an elastic --nnodes=MIN:MAX launch): training on "
+                        f"{nodes * self.num_processes} rank(s), same global batch")  # rank 0 only (RankedLogger)
             self.num_nodes = nodes
-        return nodes
 
     def init_process_life(self, sigterm_check_every_n_batches: int, hang_timeout_s: float | None,
                           timeout: timedelta, backend: str | None) -> None:

@@ -134,7 +134,7 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
 
     def build_launcher(self) -> PreflightSubprocessLauncher:
         """Lightning's launcher for ModelParallelStrategy (popen, or the ranks torchrun/srun started), pre-flight added."""
-        self.nodes_of_this_launch()
+        self.follow_torchrun_nodes()
         return PreflightSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     # -- process group and sharding ------------------------------------------------------------------
