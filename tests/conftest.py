@@ -10,9 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# One torch thread per test process (and, through the environment, per process a test starts), unless the caller
+# chose a count. The suite runs two test files at a time, and most start ranks of their own: with torch's default
+# of one thread per core they oversubscribe the cores, and OpenMP's spin-waiting burns the difference. Set before
+# torch is imported, so that this process's thread pool is sized by it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.helpers.config import ROOT, compose_cfg
+import pytest  # noqa: E402
+
+from tests.helpers.config import ROOT, compose_cfg  # noqa: E402
 
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
