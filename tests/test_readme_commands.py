@@ -35,6 +35,8 @@ SKIP = {
 RUN_ELSEWHERE = {
     "python -m scripts.bench --suite throughput,startup --rounds 2":
         "tests/test_bench.py::test_bench_writes_table_json_and_plots runs it and checks its table, JSON and plots",
+    "torchrun --standalone --nproc_per_node=2 src/train.py trainer=ddp trainer.devices=2":
+        "tests/test_ddp.py::test_torchrun_one_node runs it and checks that both ranks chose one run directory",
 }
 # Whole command -> why it is only dry-run (`make -n`: the target exists and expands).
 DRY_RUN = {
@@ -56,6 +58,20 @@ SYNTHETIC_CIFAR10 = "data/synthetic_cifar10"  # where the README's `make synthet
 
 def _skip_reason(command: str) -> str | None:
     return next((reason for key, reason in SKIP.items() if key in command), None)
+
+
+def _offline_data(command: str) -> list[str]:
+    """The synthetic CIFAR-10 files for a command that would download CIFAR-10 (no network here)."""
+    if re.search(r"\b(data|experiment)=cifar10", command) and "data.data_dir=" not in command:
+        return [f"data.data_dir={SYNTHETIC_CIFAR10}", "data.verify_checksums=false"]
+    return []
+
+
+def _same_run_as(command: str) -> str | None:
+    """An earlier command that runs the same thing here once its offline stand-ins are added (then it runs once)."""
+    commands = readme_commands()
+    key = sorted([*command.split(), *_offline_data(command)])
+    return next((c for c in commands[:commands.index(command)] if sorted([*c.split(), *_offline_data(c)]) == key), None)
 
 
 def _shell(command: str, timeout: int = 420) -> subprocess.CompletedProcess:
@@ -90,8 +106,7 @@ def _run_overrides(command: str, logs: Path, request) -> list[str]:
     args = [*FEW_BATCHES, f"paths.log_dir={logs}"]
     if "src/eval.py" not in command and "src/predict.py" not in command:  # the last value wins: a resumed run trains one epoch more
         args.insert(0, f"trainer.max_epochs={2 if 'ckpt_path=' in command else 1}")
-    if re.search(r"\b(data|experiment)=cifar10", command) and "data.data_dir=" not in command:
-        args += [f"data.data_dir={SYNTHETIC_CIFAR10}", "data.verify_checksums=false"]  # no download here
+    args += _offline_data(command)
     if "hparams_search=fashion_mnist_optuna" in command:
         args.append("hydra.sweeper.n_trials=2")  # the last value wins: two trials show the search runs
     if "data=mnist" in command:
@@ -103,6 +118,8 @@ def _run_overrides(command: str, logs: Path, request) -> list[str]:
 def test_readme_command_runs(command, tmp_path, request):
     if reason := _skip_reason(command) or RUN_ELSEWHERE.get(command):
         pytest.skip(reason)
+    if same := _same_run_as(command):
+        pytest.skip(f"here the same run as `{same}` (the synthetic CIFAR-10 files in place of the download)")
     if command in DRY_RUN:
         proc = _shell(f"make -n -o .make/installed {command.removeprefix('make ')}")
         assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
