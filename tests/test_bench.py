@@ -46,7 +46,8 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     numbers (no timing asserted). It is this test that runs that docs command (tests/test_readme_commands.py)."""
     out = tmp_path / "bench"
     shorter = ["--rounds", "1", "--epochs", "2", "--limit-train-batches", "5", "--workers", "0", "--quiet-wait", "0",
-               "--out", str(out)]  # the last value of an option wins
+               "--threads", "1", "--out", str(out)]  # the last value of an option wins; one thread: the suite runs
+    # two test files at a time on the same cores
     cmd = [sys.executable, *shlex.split(docs_bench_command())[1:], *shorter]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -20,7 +20,9 @@ import pytest
 
 from tests.helpers.training_runs import finish, run_dirs, start, wait_for_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.serial]  # bounds on seconds
+# Bounds on seconds, with slack for a busy machine: beside another test file (make test) the measured times kept
+# under half of each bound, so these run two files at a time like the rest.
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 LONG = ["trainer.devices=2", "trainer.max_epochs=50", "trainer.strategy.hang_timeout_s=5"]
 
