@@ -174,7 +174,7 @@ def test_synchronous_ps_equals_ddp_through_train_py(tmp_path):
 
 
 # -- a slow worker does not set the pace -----------------------------------------------------------------------
-@pytest.mark.slow  # compares step rates, as ratios that held with a margin beside another test file (make test)
+@pytest.mark.slow  # compares step rates as ratios a sleep dominates, so it runs beside another test file (make test)
 def test_a_slow_worker_does_not_set_the_pace(tmp_path):
     """Every worker sleeps 50 ms per step, one of three 4x as long (the sleep dominates the step, so the rates
     compare on a loaded machine). Under ps the fast workers keep >= 0.8 of their rate without the slow one;

@@ -67,11 +67,18 @@ def _offline_data(command: str) -> list[str]:
     return []
 
 
-def _same_run_as(command: str) -> str | None:
-    """An earlier command that runs the same thing here once its offline stand-ins are added (then it runs once)."""
-    commands = readme_commands()
-    key = sorted([*command.split(), *_offline_data(command)])
-    return next((c for c in commands[:commands.index(command)] if sorted([*c.split(), *_offline_data(c)]) == key), None)
+def _same_runs(commands: list[str]) -> dict[str, str]:
+    """Command -> the earlier command that runs the same thing here once offline stand-ins are added (it runs once)."""
+    def run(command: str) -> tuple[str, ...]:
+        return tuple(sorted([*command.split(), *_offline_data(command)]))
+
+    first: dict[tuple[str, ...], str] = {}
+    for command in commands:
+        first.setdefault(run(command), command)
+    return {command: first[run(command)] for command in commands if first[run(command)] != command}
+
+
+SAME_RUNS = _same_runs(readme_commands())
 
 
 def _shell(command: str, timeout: int = 420) -> subprocess.CompletedProcess:
@@ -118,7 +125,7 @@ def _run_overrides(command: str, logs: Path, request) -> list[str]:
 def test_readme_command_runs(command, tmp_path, request):
     if reason := _skip_reason(command) or RUN_ELSEWHERE.get(command):
         pytest.skip(reason)
-    if same := _same_run_as(command):
+    if same := SAME_RUNS.get(command):
         pytest.skip(f"here the same run as `{same}` (the synthetic CIFAR-10 files in place of the download)")
     if command in DRY_RUN:
         proc = _shell(f"make -n -o .make/installed {command.removeprefix('make ')}")
