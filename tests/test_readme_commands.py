@@ -98,6 +98,27 @@ def made_synthetic_cifar10() -> subprocess.CompletedProcess:
     return _shell(_make("make synthetic-cifar10", []))
 
 
+PYTEST = "python -m pytest"
+_COLLECT = """
+import shlex, sys, pytest
+for i, command in enumerate(sys.argv[1:]):
+    rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *shlex.split(command)[3:]])
+    print(f"\\n@@ {i} exit {int(rc)}", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def pytest_collections() -> dict[str, tuple[int, str]]:
+    """The README's pytest commands, collect-only, one after another in one process (one import of the suite):
+    command -> (exit code, output). Running them would run (part of) this suite."""
+    commands = [c for c in readme_commands() if c.startswith(PYTEST)]
+    proc = subprocess.run(["python", "-c", _COLLECT, *commands], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    parts = re.split(r"^@@ (\d+) exit (-?\d+)$", proc.stdout, flags=re.M)  # [out0, i0, rc0, out1, i1, rc1, ...]
+    assert len(parts) == 3 * len(commands) + 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return {commands[int(i)]: (int(rc), out) for out, i, rc in zip(parts[0:-1:3], parts[1::3], parts[2::3], strict=True)}
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
     """A run directory of the default model, for the README's `logs/train/runs/<run>` placeholder."""
@@ -138,9 +159,9 @@ def test_readme_command_runs(command, tmp_path, request):
         return
     if "cifar10" in command:
         assert request.getfixturevalue("made_synthetic_cifar10").returncode == 0
-    if command.startswith("python -m pytest"):  # collect only: running it would run (part of) this suite
-        proc = _shell(command.replace("python -m pytest", "python -m pytest --collect-only -q -p no:cacheprovider", 1))
-        assert proc.returncode == 0 and re.search(r"\d+ tests? collected", proc.stdout), proc.stdout[-2000:]
+    if command.startswith(PYTEST):
+        rc, out = request.getfixturevalue("pytest_collections")[command]
+        assert rc == 0 and re.search(r"\d+ tests? collected", out), out[-2000:]
         return
     if "<run>" in command:
         command = command.replace("logs/train/runs/<run>", str(request.getfixturevalue("trained_run")))
