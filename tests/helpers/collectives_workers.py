@@ -1,8 +1,7 @@
-"""Worker functions for ``tests/test_collectives*.py``, run on spawned gloo ranks by ``run_workers``, and
+"""Worker functions for ``tests/test_collectives*.py``, run on gloo ranks by ``run_workers``, and
 :class:`DeviceOnlyGroup`, which makes a gloo group as strict as nccl about where tensors live.
 
-They live apart from the tests so spawned ranks import only torch and the collectives package, not
-Lightning (seconds of start-up per rank). No tests are collected from here.
+Both test files share them, and no tests are collected from here.
 """
 
 from __future__ import annotations
@@ -80,7 +79,7 @@ def ring_cases(n: int) -> list[dict]:
 
 
 def many_checks(rank: int, world_size: int, out_dir: str) -> dict:
-    """One spawn, everything: suite, ring, sync SGD, a faulty op, a small benchmark, a timeout."""
+    """One start of the ranks, everything: suite, ring, sync SGD, a faulty op, a small benchmark, a timeout."""
     out: dict = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
