@@ -16,6 +16,8 @@ import yaml
 
 from src.data.components.folds import check_fold, stratified_folds
 from src.data.toy_datamodule import ToyDataModule
+from src.run.lock import try_lock
+from src.search.cross_validation import CV_LOCK
 from src.utils.errors import ConfigError
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
@@ -90,8 +92,9 @@ KFOLD = ["hparams_search=kfold", "model=toy", "data=toy", "data.n_folds=3", "dat
 @pytest.mark.slow
 @pytest.mark.faults
 def test_a_killed_cross_validation_continues_its_folds(tmp_path):
-    """SIGKILL the k-fold command while fold 1 trains. The same command again trains fold 0 no more, resumes
-    fold 1 from its last.ckpt, runs fold 2, and cv.yaml holds all three; another command there is refused."""
+    """SIGKILL the k-fold command while fold 1 trains. While another process holds the cross-validation, the
+    same command is refused in one line and touches no fold. Then it trains fold 0 no more, resumes fold 1 from
+    its last.ckpt, runs fold 2, and cv.yaml holds all three; another command there is refused."""
     command = [*KFOLD, "trainer.max_epochs=40", "+trainer.limit_train_batches=5", f"paths.log_dir={tmp_path}"]
     sweep = tmp_path / "train" / "cross_validation" / "kfold"
     proc = launch([sys.executable, str(ROOT / "src" / "train.py"), *command])
@@ -101,7 +104,16 @@ def test_a_killed_cross_validation_continues_its_folds(tmp_path):
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     finish(proc)
-    fold_0 = trained(sweep / "0")
+    fold_0, fold_1 = trained(sweep / "0"), (sweep / "1" / "checkpoints" / "last.ckpt").read_bytes()
+
+    held = try_lock(sweep / CV_LOCK)  # as a process still running this cross-validation would hold it
+    try:
+        busy = run_entry("train", *command)
+    finally:
+        os.close(held)
+    assert busy.returncode == 2 and busy.stderr.strip().splitlines()[-1].startswith(
+        f"error: another process is running the cross-validation in {sweep}"), busy.stderr[-3000:]
+    assert (sweep / "1" / "checkpoints" / "last.ckpt").read_bytes() == fold_1 and not (sweep / "2").exists()
 
     again = run_entry("train", *command)
     assert again.returncode == 0, again.stderr[-3000:]

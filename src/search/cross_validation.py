@@ -2,8 +2,10 @@
 
 The folds of one cross-validation share a sweep dir for life, so re-running the command continues them. The
 command that started them is kept there (``cv_command.yaml``); another one is refused before any fold runs,
-as its folds would not compare. The summary reads the ``result.yaml`` each job left
-(:class:`src.utils.hydra_callbacks.SweepRecord`), so it works whatever ran the jobs (one process, submitit).
+as its folds would not compare. While a cross-validation runs, its dir is locked (``flock``): a second process
+is refused in one line instead of racing the first for the same folds. The summary reads the ``result.yaml``
+each job left (:class:`src.utils.hydra_callbacks.SweepRecord`), so it works whatever ran the jobs (one process,
+submitit).
 The fold comes from each job's ``data.fold=`` override.
 """
 
@@ -16,11 +18,13 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from src.run.lock import try_lock
 from src.utils.errors import exit_with_error
 from src.utils.hydra_callbacks import RESULT_FILE
 
 CV_FILE = "cv.yaml"  # in the sweep dir
 COMMAND_FILE = "cv_command.yaml"  # in the sweep dir: the task overrides of the command that started it
+CV_LOCK = ".cv.lock"  # in the sweep dir: held by the process running the cross-validation
 
 
 def fold_of(overrides: list[str]) -> int | None:
@@ -31,9 +35,13 @@ def fold_of(overrides: list[str]) -> int | None:
 class CrossValidationSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = try_lock(sweep_dir / CV_LOCK)  # held until this process ends; the kernel then drops it
+        if self._lock is None:
+            exit_with_error(f"another process is running the cross-validation in {sweep_dir} (it holds {CV_LOCK}); "
+                            "fix: wait for it to end, or give this one its own cv_name=<name>")
         command, kept = list(config.hydra.overrides.task), sweep_dir / COMMAND_FILE
         if not kept.is_file():
-            sweep_dir.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(OmegaConf.create(command), kept)
             return
         started_with = list(OmegaConf.load(kept))
