@@ -138,11 +138,13 @@ def test_checkpoint_from_another_model(make_cfg, tmp_path):
     _, objects = train(make_cfg("train", ["test=false", "++trainer.limit_train_batches=1"], subdir="mlp"))
     ckpt = objects["trainer"].checkpoint_callback.best_model_path
     before = Path(ckpt).read_bytes()
-    proc = run_entry("eval", f"ckpt_path={ckpt}", "model=resnet18", f"hydra.run.dir={tmp_path}/eval")
+    proc = run_entry("eval", f"ckpt_path={ckpt}", "model=resnet18", f"hydra.run.dir={tmp_path}/eval",
+                     f"paths.log_dir={tmp_path}/logs")
     assert proc.returncode == 2
     line = error_line(proc)
     assert "does not fit this model" in line and "missing" in line
     assert Path(ckpt).read_bytes() == before  # the checkpoint is untouched
+    assert (tmp_path / "logs" / ".pids").is_dir() and not list((tmp_path / "logs" / ".pids").glob("*.json"))
 
 
 def test_non_writable_output_dir(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,8 @@ class PidFile(Callback):
 
     def __init__(self, dirpath: str) -> None:
         self.path = Path(dirpath) / f"{os.getpid()}.json"
+        # A job that ends in SystemExit (a refused run: one error line, exit 2) skips Hydra's on_job_end
+        atexit.register(self.path.unlink, missing_ok=True)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         me = psutil.Process()
