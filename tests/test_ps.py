@@ -66,6 +66,8 @@ def test_shards_are_whole_tensors_balanced_by_size():
     ({"server_device": "gpu"}, "server_device='gpu' is unknown; fix: use one of auto, cpu"),
     ({"start_method": "spawn"}, "popen only"),
     ({"stages": 2}, "trainer.strategy.stages is a trainer=pipeline setting, but this run uses trainer=ps"),
+    ({"hang_timeout_s": 10}, "trainer=ps has none: a silent link is timed by trainer.strategy.link_timeout_s"),
+    ({"link_timeout_s": 0}, "link_timeout_s=0 is not a positive number of seconds"),
 ])
 def test_the_constructor_refuses_bad_settings(kwargs, message):
     from src.strategies.ps.strategy import ParameterServerStrategy

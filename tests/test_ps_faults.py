@@ -87,7 +87,7 @@ def test_a_killed_server_ends_the_job_in_one_line_and_the_same_command_resumes(t
     ``error:`` line naming rank 1 and its pid; the same command then resumes from last.ckpt and finishes."""
     args = command("trainer=ps", "trainer.devices=4", "trainer.strategy.num_servers=2", *TOY_RUN, "data.batch_size=32",
                    "trainer.max_epochs=3", "++trainer.limit_train_batches=40", "test=false",
-                   "trainer.strategy.hang_timeout_s=10", "last_ckpt_every_n_train_steps=5", *SLOW, "+callbacks.slow.delay_s=0.02",
+                   "trainer.strategy.link_timeout_s=10", "last_ckpt_every_n_train_steps=5", *SLOW, "+callbacks.slow.delay_s=0.02",
                    f"paths.log_dir={tmp_path}")
     proc = launch(args)
     deadline = time.monotonic() + 120

@@ -76,8 +76,10 @@ class ParameterServerStrategy(DDPStrategy):
         server_device: ``auto`` (a server uses its process's device) or ``cpu``: on GPUs, one worker per
             GPU and ``num_servers`` more processes on the CPU of the same machine (TensorFlow's
             CentralStorageStrategy when synchronous).
-        hang_timeout_s: a link that gets no answer this long fails: a frozen worker leaves, a frozen server
-            ends the job (``None``: 10 minutes). It must exceed the longest wait for a round.
+        link_timeout_s: a link that gets no answer this long fails: a frozen worker leaves, a frozen server
+            ends the job, and servers left with no worker this long end it too (``None``: the collective
+            ``timeout``, 10 minutes by default). It must exceed the longest wait for a round. (ps runs no
+            heartbeat watchdog, so ddp's ``hang_timeout_s`` is refused here.)
         sigterm_check_every_n_batches: how often a rank looks at its stop note (no collective: 1 is cheap).
         **kwargs: the project's :class:`~src.strategies.ddp.DDPStrategy` arguments (``timeout`` ...).
     """
@@ -87,9 +89,17 @@ class ParameterServerStrategy(DDPStrategy):
     random_state_per_rank = False  # updates depend on when pushes arrive: a resumed run cannot replay bit-exact
 
     def __init__(self, num_servers: int = 1, max_staleness: int | None = None, server_device: str = "auto",
-                 hang_timeout_s: float | None = 120.0, sigterm_check_every_n_batches: int = 1,
+                 link_timeout_s: float | None = 120.0, sigterm_check_every_n_batches: int = 1,
                  start_method: str = "popen", process_group_backend: str | None = None, **kwargs: Any) -> None:
         refuse_mixing("ps", kwargs)
+        if "hang_timeout_s" in kwargs:
+            raise ConfigError("trainer.strategy.hang_timeout_s times the heartbeat watchdog of ddp, fsdp and pipeline; "
+                              "trainer=ps has none: a silent link is timed by trainer.strategy.link_timeout_s; fix: "
+                              "set that instead")
+        if link_timeout_s is not None and (isinstance(link_timeout_s, bool) or not isinstance(link_timeout_s, int | float)
+                                           or link_timeout_s <= 0):
+            raise ConfigError(f"trainer.strategy.link_timeout_s={link_timeout_s!r} is not a positive number of "
+                              "seconds; fix: set one, or null for the collective timeout")
         if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
             raise ConfigError(f"trainer.strategy.num_servers={num_servers!r} is not an integer >= 1; fix: set one")
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
@@ -106,7 +116,8 @@ class ParameterServerStrategy(DDPStrategy):
             raise ConfigError(f"trainer.strategy.process_group_backend={process_group_backend!r}: trainer=ps "
                               "sends through gloo links; fix: leave it null")
         self.num_servers, self.max_staleness, self.server_device = num_servers, max_staleness, server_device
-        super().__init__(start_method=start_method, hang_timeout_s=hang_timeout_s,
+        self.link_timeout_s = link_timeout_s
+        super().__init__(start_method=start_method, hang_timeout_s=None,  # no heartbeat watchdog: links time out
                          sigterm_check_every_n_batches=sigterm_check_every_n_batches, **kwargs)
         self.jobs: JobStore | None = None
         self.server: ParameterServer | None = None
@@ -151,7 +162,7 @@ class ParameterServerStrategy(DDPStrategy):
 
     @property
     def link_timeout(self) -> dt.timedelta:
-        return dt.timedelta(seconds=self.hang_timeout_s) if self.hang_timeout_s else self.collective_timeout
+        return dt.timedelta(seconds=self.link_timeout_s) if self.link_timeout_s else self.collective_timeout
 
     @property
     def _cpu_server_beside_gpus(self) -> bool:
