@@ -44,6 +44,15 @@ def collective_timeout(timeout: timedelta | float | None) -> timedelta:
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 
 
+def positive_seconds(key: str, value: float | None, null_means: str) -> float | None:
+    """``value`` if it is a positive number of seconds or None; otherwise one line naming
+    ``trainer.strategy.<key>`` (``null_means``: what None does)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+        raise ConfigError(f"trainer.strategy.{key}={value!r} is not a positive number of seconds; fix: set one, "
+                          f"or null {null_means}")
+    return value
+
+
 class ProcessLife:
     """Strategy mixin (list it before Lightning's strategy class); call :meth:`init_process_life` in ``__init__``."""
 
@@ -67,10 +76,7 @@ class ProcessLife:
                           timeout: timedelta, backend: str | None) -> None:
         """Check and keep the options every multi-process strategy of the project takes."""
         self.sigterm_check_every_n_batches = check_interval(sigterm_check_every_n_batches)
-        if hang_timeout_s is not None and hang_timeout_s <= 0:
-            raise ConfigError(f"trainer.strategy.hang_timeout_s={hang_timeout_s!r} is not a positive number of "
-                              "seconds; fix: set one, or null to turn the watchdog off")
-        self.hang_timeout_s = hang_timeout_s
+        self.hang_timeout_s = positive_seconds("hang_timeout_s", hang_timeout_s, "to turn the watchdog off")
         self.collective_timeout = timeout
         self.requested_backend = backend
         self.watchdog: RankWatchdog | None = None

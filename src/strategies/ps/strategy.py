@@ -50,6 +50,7 @@ from src.runtime.local_store import local_store_path
 from src.runtime.sigterm import Preempted, SigtermSync, install_stop_handlers, stop_for_preemption
 from src.strategies.ddp import DDPStrategy
 from src.strategies.launchers import PSSubprocessLauncher
+from src.strategies.process_life import positive_seconds
 from src.strategies.ps.client import PushPullOptimizer, ServerClient, ServerLost, read_server
 from src.strategies.ps.coordination import JobStore, end_job_after_failure
 from src.strategies.ps.layout import CHIEF, Roles, refuse_mixing, shard_by_size
@@ -96,10 +97,6 @@ class ParameterServerStrategy(DDPStrategy):
             raise ConfigError("trainer.strategy.hang_timeout_s times the heartbeat watchdog of ddp, fsdp and pipeline; "
                               "trainer=ps has none: a silent link is timed by trainer.strategy.link_timeout_s; fix: "
                               "set that instead")
-        if link_timeout_s is not None and (isinstance(link_timeout_s, bool) or not isinstance(link_timeout_s, int | float)
-                                           or link_timeout_s <= 0):
-            raise ConfigError(f"trainer.strategy.link_timeout_s={link_timeout_s!r} is not a positive number of "
-                              "seconds; fix: set one, or null for the collective timeout")
         if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
             raise ConfigError(f"trainer.strategy.num_servers={num_servers!r} is not an integer >= 1; fix: set one")
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
@@ -116,7 +113,7 @@ class ParameterServerStrategy(DDPStrategy):
             raise ConfigError(f"trainer.strategy.process_group_backend={process_group_backend!r}: trainer=ps "
                               "sends through gloo links; fix: leave it null")
         self.num_servers, self.max_staleness, self.server_device = num_servers, max_staleness, server_device
-        self.link_timeout_s = link_timeout_s
+        self.link_timeout_s = positive_seconds("link_timeout_s", link_timeout_s, "for the collective timeout")
         super().__init__(start_method=start_method, hang_timeout_s=None,  # no heartbeat watchdog: links time out
                          sigterm_check_every_n_batches=sigterm_check_every_n_batches, **kwargs)
         self.jobs: JobStore | None = None
