@@ -14,14 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from src.checkpointing.sharded import (
-    indexed_optimizer_state,
-    join_tensors,
-    named_optimizer_state,
-    read_sharded,
-    replace,
-    split_tensors,
-)
+from src.checkpointing.optimizer_state import indexed_optimizer_state, named_optimizer_state
+from src.checkpointing.sharded import join_tensors, read_sharded, replace, split_tensors
 from src.strategies.fsdp.wrap import check_shardable, resolve_sharding
 from src.utils.errors import CheckpointError, ConfigError
 from tests.helpers.config import compose_cfg

@@ -43,6 +43,7 @@ from src.checkpointing.io import (
     load_checkpoint_file,
     temp_prefix,
 )
+from src.checkpointing.optimizer_state import indexed_optimizer_state
 from src.data.components.safe_unpickle import RefusedGlobal, RestrictedUnpickler
 from src.utils import lightning_compat as compat
 from src.utils.errors import CheckpointError
@@ -95,34 +96,6 @@ def from_layout(tensors: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]
     states = join_tensors(tensors, meta.pop(NON_TENSORS, {}))
     optimizers = sorted((k for k in states if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     return {**meta, "state_dict": states.get("state_dict", {}), "optimizer_states": [states[k] for k in optimizers]}
-
-
-# -- optimizer states: by parameter name (any sharding) or by index (torch's own format) -----------------
-def indexed_optimizer_state(named: dict[str, Any]) -> dict[str, Any]:
-    """torch's ``Optimizer.state_dict()`` format (parameters numbered in group order), each group also listing
-    its ``param_names``; loads into a plain optimizer on one device."""
-    index: dict[str, int] = {}
-    groups = []
-    for group in named["param_groups"]:
-        names = list(group["params"])
-        index.update({name: len(index) + i for i, name in enumerate(names)})
-        groups.append({**group, "params": [index[n] for n in names], "param_names": names})
-    return {"state": {index[n]: s for n, s in named["state"].items()}, "param_groups": groups}
-
-
-def named_optimizer_state(indexed: dict[str, Any], names_in_order: list[str]) -> dict[str, Any]:
-    """The inverse of :func:`indexed_optimizer_state`; a state without ``param_names`` (a DDP or single-device
-    checkpoint) is read in ``names_in_order``, the optimizer's parameters in group order."""
-    name_of: dict[int, str] = {}
-    groups = []
-    for group in indexed["param_groups"]:
-        names = group.get("param_names") or names_in_order[len(name_of):len(name_of) + len(group["params"])]
-        if len(names) != len(group["params"]):
-            raise CheckpointError("the checkpoint's optimizer state does not fit this model; fix: resume with the "
-                                  "model and optimizer config it was trained with")
-        name_of.update(zip(group["params"], names, strict=True))
-        groups.append({**{k: v for k, v in group.items() if k != "param_names"}, "params": list(names)})
-    return {"state": {name_of[i]: s for i, s in indexed["state"].items()}, "param_groups": groups}
 
 
 # -- reading .metadata without running code ---------------------------------------------------------------

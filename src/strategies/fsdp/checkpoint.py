@@ -24,15 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from src.checkpointing.io import load_checkpoint_file
-from src.checkpointing.sharded import (
-    from_layout,
-    indexed_optimizer_state,
-    is_sharded_checkpoint,
-    load_sharded,
-    named_optimizer_state,
-    read_meta,
-    to_layout,
-)
+from src.checkpointing.optimizer_state import indexed_optimizer_state, named_optimizer_state
+from src.checkpointing.sharded import from_layout, is_sharded_checkpoint, load_sharded, read_meta, to_layout
 from src.utils.errors import CheckpointError
 
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on global rank 0's host only

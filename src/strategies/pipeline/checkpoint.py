@@ -24,10 +24,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 from torch.optim import Optimizer
 
+from src.checkpointing.optimizer_state import indexed_optimizer_state, named_optimizer_state
 from src.strategies.pipeline.mesh import PipelineMesh
 from src.utils.errors import CheckpointError
-
-_GROUP_KEYS = ("params", "param_names")
 
 
 def gather_to_first_stage(obj: Any, mesh: PipelineMesh) -> list[Any] | None:
@@ -72,34 +71,25 @@ def group_names(optimizer: Optimizer, names: dict[int, str]) -> list[list[str]]:
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
-def named_optimizer_state(optimizer: Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with parameter indices replaced by parameter names."""
-    state = optimizer.state_dict()
-    order = [n for group in group_names(optimizer, names) for n in group]  # index i <-> order[i]
-    groups = [
-        {**{k: v for k, v in g.items() if k not in _GROUP_KEYS}, "params": [order[i] for i in g["params"]]}
-        for g in state["param_groups"]
-    ]
-    return {"state": {order[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+def names_in_order(optimizer: Optimizer, names: dict[int, str]) -> list[str]:
+    """The names of ``optimizer``'s parameters in group order (how ``optimizer.state_dict()`` numbers them)."""
+    return [n for group in group_names(optimizer, names) for n in group]
 
 
 def merge_optimizer_states(parts: Sequence[dict[str, Any]], block_order: Sequence[str]) -> dict[str, Any]:
-    """Merge name-keyed stage states into one standard state dict of the unsplit model's optimizer."""
+    """Merge name-keyed stage states into one state dict of the unsplit model's optimizer (torch's format)."""
     n_groups = {len(p["param_groups"]) for p in parts}
     if len(n_groups) != 1:
         raise CheckpointError(f"the stages' optimizers have different numbers of param groups ({sorted(n_groups)}); fix: give every "
                               "parameter group to every stage (one optimizer config for the whole model)")
     key = block_order_key(block_order)
-    groups, index = [], {}
-    for g in range(n_groups.pop()):
-        # stable sort: parameters of one block keep their order within the stage that holds it
-        names = sorted((n for p in parts for n in p["param_groups"][g]["params"]), key=key)
-        hyper = {k: v for k, v in parts[0]["param_groups"][g].items() if k not in _GROUP_KEYS}
-        start = len(index)
-        index.update({n: start + i for i, n in enumerate(names)})
-        groups.append({**hyper, "params": [index[n] for n in names], "param_names": names})
-    state = {index[n]: s for p in parts for n, s in p["state"].items()}
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
+    groups = [  # stable sort: parameters of one block keep their order within the stage that holds it
+        {**parts[0]["param_groups"][g], "params": sorted((n for p in parts for n in p["param_groups"][g]["params"]), key=key)}
+        for g in range(n_groups.pop())
+    ]
+    state = {n: s for p in parts for n, s in p["state"].items()}
+    order = [n for g in groups for n in g["params"]]
+    return indexed_optimizer_state({"state": {n: state[n] for n in order if n in state}, "param_groups": groups})
 
 
 def local_optimizer_state(
@@ -117,32 +107,19 @@ def local_optimizer_state(
             f"the checkpoint's optimizer has {len(groups)} param groups, this run's has {len(local_groups)}; fix: "
             f"resume with the optimizer config the checkpoint was trained with"
         )
-    where: dict[str, int] = {}
-    for g in groups:
-        names = g.get("param_names")
-        if names is None:
-            if len(groups) != 1:
-                raise CheckpointError("the checkpoint's optimizer state has several groups and no parameter names: "
-                                      "it cannot be split across pipeline stages; fix: resume it on one device or under ddp")
-            names = list(fallback_names)
-        if len(names) != len(g["params"]):
-            raise CheckpointError("the checkpoint's optimizer state does not fit this model: it lists "
-                                  f"{len(g['params'])} parameters where this model has {len(names)}; fix: pass the model config it "
-                                  "was trained with")
-        where.update(zip(names, g["params"], strict=True))
-    state, out_groups, i = {}, [], 0
-    for g, names in zip(groups, local_groups, strict=True):
-        missing = [n for n in names if n not in where]
-        if missing:
-            raise CheckpointError(f"the checkpoint has no optimizer state for {missing[:3]}: it was saved from "
-                                  f"another model; fix: pass that model's config")
-        ids = list(range(i, i + len(names)))
-        for local, name in zip(ids, names, strict=True):
-            if where[name] in full["state"]:
-                state[local] = full["state"][where[name]]
-        out_groups.append({**{k: v for k, v in g.items() if k not in _GROUP_KEYS}, "params": ids})
-        i += len(names)
-    return {"state": state, "param_groups": out_groups}
+    if len(groups) > 1 and any("param_names" not in g for g in groups):
+        raise CheckpointError("the checkpoint's optimizer state has several groups and no parameter names: "
+                              "it cannot be split across pipeline stages; fix: resume it on one device or under ddp")
+    named = named_optimizer_state(full, list(fallback_names))
+    known = {n for g in named["param_groups"] for n in g["params"]}
+    missing = [n for names in local_groups for n in names if n not in known]
+    if missing:
+        raise CheckpointError(f"the checkpoint has no optimizer state for {missing[:3]}: it was saved from "
+                              f"another model; fix: pass that model's config")
+    local_names = [n for names in local_groups for n in names]
+    local = {"state": {n: named["state"][n] for n in local_names if n in named["state"]},
+             "param_groups": [{**g, "params": list(names)} for g, names in zip(named["param_groups"], local_groups, strict=True)]}
+    return indexed_optimizer_state(local, param_names=False)
 
 
 # -- what the strategy's checkpoint hooks call ------------------------------------------------------
@@ -155,7 +132,8 @@ def full_model_state(module: nn.Module, mesh: PipelineMesh, block_order: Sequenc
 def full_optimizer_state(optimizer: Optimizer, module: nn.Module, mesh: PipelineMesh,
                          block_order: Sequence[str]) -> dict[str, Any]:
     """The unsplit model's optimizer state on pipeline rank 0 of each replica (``{}`` elsewhere)."""
-    parts = gather_to_first_stage(named_optimizer_state(optimizer, param_names(module)), mesh)
+    named = named_optimizer_state(optimizer.state_dict(), names_in_order(optimizer, param_names(module)))
+    parts = gather_to_first_stage(named, mesh)
     return merge_optimizer_states(parts, block_order) if parts is not None else {}
 
 
