@@ -22,7 +22,7 @@ from torch import nn
 from torchmetrics import SumMetric
 
 import src.strategies  # noqa: F401  (registers "pipeline")
-from src.checkpointing.optimizer_state import named_optimizer_state
+from src.checkpointing.optimizer_state import group_names, named_optimizer_state, names_in_order
 from src.data.toy_datamodule import ToyDataModule
 from src.models.components.mlp import MLP
 from src.models.components.toy_net import ToyNet
@@ -252,13 +252,12 @@ def test_optimizer_state_merges_by_name_and_splits_back():
 
     model = nn.Module()
     model.net = full
-    names = ckpt.param_names(model)
     stage_params = [list(full.fc0.parameters()) + list(full.fc2.parameters()),  # interleaved: rank 0
                     list(full.fc1.parameters()) + list(full.head.parameters())]
     stage_opts = [torch.optim.Adam(p, lr=0.01) for p in stage_params]
     for opt in stage_opts:  # same gradients, so same state as the whole-model optimizer
         opt.step()
-    parts = [named_optimizer_state(opt.state_dict(), ckpt.names_in_order(opt, names)) for opt in stage_opts]
+    parts = [named_optimizer_state(opt.state_dict(), names_in_order(opt, model)) for opt in stage_opts]
     merged = ckpt.merge_optimizer_states(parts, ["fc0", "fc1", "fc2", "head"])
     reference = whole.state_dict()
     assert merged["param_groups"][0]["params"] == reference["param_groups"][0]["params"]
@@ -269,14 +268,14 @@ def test_optimizer_state_merges_by_name_and_splits_back():
     # it loads into a single-device optimizer, and each stage gets exactly its own state back
     torch.optim.Adam(full.parameters(), lr=0.01).load_state_dict(merged)
     for opt in stage_opts:
-        local = ckpt.local_optimizer_state(merged, ckpt.group_names(opt, names), [])
+        local = ckpt.local_optimizer_state(merged, group_names(opt, model), [])
         mine = opt.state_dict()
         assert local["param_groups"][0]["params"] == mine["param_groups"][0]["params"]
         for i in mine["state"]:
             assert torch.equal(local["state"][i]["exp_avg_sq"], mine["state"][i]["exp_avg_sq"])
     # a name-less (single-device) state is read in the unsplit model's order
     fallback = [f"net.{n}" for n, _ in full.named_parameters()]
-    local = ckpt.local_optimizer_state(reference, ckpt.group_names(stage_opts[1], names), fallback)
+    local = ckpt.local_optimizer_state(reference, group_names(stage_opts[1], model), fallback)
     assert torch.equal(local["state"][0]["exp_avg"], reference["state"][2]["exp_avg"])  # fc1.weight is 3rd
 
 

@@ -12,7 +12,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+from torch.optim import Optimizer
+
 from src.utils.errors import CheckpointError
+
+
+def group_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
+    """The qualified names of each of ``optimizer``'s param groups' parameters in ``module``, in order."""
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    return [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def names_in_order(optimizer: Optimizer, module: nn.Module) -> list[str]:
+    """The names of ``optimizer``'s parameters in group order: how ``optimizer.state_dict()`` numbers them."""
+    return [name for group in group_names(optimizer, module) for name in group]
 
 
 def indexed_optimizer_state(named: dict[str, Any], param_names: bool = True) -> dict[str, Any]:

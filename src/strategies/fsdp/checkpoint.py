@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from src.checkpointing.io import load_checkpoint_file
-from src.checkpointing.optimizer_state import indexed_optimizer_state, named_optimizer_state
+from src.checkpointing.optimizer_state import indexed_optimizer_state, named_optimizer_state, names_in_order
 from src.checkpointing.sharded import from_layout, is_sharded_checkpoint, load_sharded, read_meta, to_layout
 from src.utils.errors import CheckpointError
 
@@ -42,11 +42,6 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, full: bool, is_globa
         return get_optimizer_state_dict(model, optimizer)
     state = get_optimizer_state_dict(model, optimizer, options=GATHERED)
     return indexed_optimizer_state(state) if is_global_zero else {}
-
-
-def _names_in_order(model: nn.Module, optimizer: Optimizer) -> list[str]:
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def load_into(model: nn.Module, optimizers: list[Optimizer], path: str | Path, strict: bool) -> dict[str, Any]:
@@ -68,7 +63,7 @@ def load_into(model: nn.Module, optimizers: list[Optimizer], path: str | Path, s
         checkpoint = from_layout(targets, read_meta(path))
     else:
         checkpoint = load_checkpoint_file(path)
-        checkpoint["optimizer_states"] = [named_optimizer_state(s, _names_in_order(model, o))
+        checkpoint["optimizer_states"] = [named_optimizer_state(s, names_in_order(o, model))
                                           for s, o in zip(checkpoint.get("optimizer_states", []), optimizers, strict=False)]
     options = StateDictOptions(full_state_dict=not sharded, strict=strict)
     set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)

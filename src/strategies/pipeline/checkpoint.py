@@ -24,7 +24,12 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 from torch.optim import Optimizer
 
-from src.checkpointing.optimizer_state import indexed_optimizer_state, named_optimizer_state
+from src.checkpointing.optimizer_state import (
+    group_names,
+    indexed_optimizer_state,
+    named_optimizer_state,
+    names_in_order,
+)
 from src.strategies.pipeline.mesh import PipelineMesh
 from src.utils.errors import CheckpointError
 
@@ -59,21 +64,6 @@ def merge_state_dicts(parts: Iterable[dict[str, Any]], block_order: Sequence[str
             merged.setdefault(name, value)
     key = block_order_key(block_order)
     return {name: merged[name] for name in sorted(merged, key=key)}
-
-
-def param_names(module: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> qualified name`` for every parameter of ``module``."""
-    return {id(p): name for name, p in module.named_parameters()}
-
-
-def group_names(optimizer: Optimizer, names: dict[int, str]) -> list[list[str]]:
-    """The parameter names of each of ``optimizer``'s param groups, in the optimizer's order."""
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-
-
-def names_in_order(optimizer: Optimizer, names: dict[int, str]) -> list[str]:
-    """The names of ``optimizer``'s parameters in group order (how ``optimizer.state_dict()`` numbers them)."""
-    return [n for group in group_names(optimizer, names) for n in group]
 
 
 def merge_optimizer_states(parts: Sequence[dict[str, Any]], block_order: Sequence[str]) -> dict[str, Any]:
@@ -132,7 +122,7 @@ def full_model_state(module: nn.Module, mesh: PipelineMesh, block_order: Sequenc
 def full_optimizer_state(optimizer: Optimizer, module: nn.Module, mesh: PipelineMesh,
                          block_order: Sequence[str]) -> dict[str, Any]:
     """The unsplit model's optimizer state on pipeline rank 0 of each replica (``{}`` elsewhere)."""
-    named = named_optimizer_state(optimizer.state_dict(), names_in_order(optimizer, param_names(module)))
+    named = named_optimizer_state(optimizer.state_dict(), names_in_order(optimizer, module))
     parts = gather_to_first_stage(named, mesh)
     return merge_optimizer_states(parts, block_order) if parts is not None else {}
 
@@ -149,6 +139,5 @@ def load_local_model_state(module: nn.Module, state: dict[str, Any], strict: boo
 def load_local_optimizer_states(optimizers: Sequence[Optimizer], full_states: Sequence[dict[str, Any]],
                                 module: nn.Module, full_param_names: Sequence[str]) -> None:
     """Give each of this rank's optimizers its own parameters' entries of the full-model states."""
-    names = param_names(module)
     for optimizer, full in zip(optimizers, full_states, strict=True):
-        optimizer.load_state_dict(local_optimizer_state(full, group_names(optimizer, names), full_param_names))
+        optimizer.load_state_dict(local_optimizer_state(full, group_names(optimizer, module), full_param_names))
