@@ -20,24 +20,24 @@ import rootutils
 # the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/utils/job_setup.py)
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True, dotenv=False)
 
-from src.runtime import prompt_exit  # noqa: E402
+from src.runtime import prompt_exit
 
 if __name__ == "__main__":
     prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
 
-import hydra  # noqa: E402
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig
 
-from src.checkpointing.io import load_checkpoint_file  # noqa: E402
-from src.checkpointing.start import check_checkpoint, require_ckpt_path  # noqa: E402
-from src.runtime.hydra_launch import isolated_job  # noqa: E402
-from src.utils.errors import ConfigError  # noqa: E402
-from src.utils.hydra_errors import hydra_main  # noqa: E402
-from src.utils.pylogger import RankedLogger  # noqa: E402
-from src.utils.resolvers import register_resolvers  # noqa: E402
-from src.utils.task import extras, task_wrapper  # noqa: E402
+from src.checkpointing.io import load_checkpoint_file
+from src.checkpointing.start import check_checkpoint, require_ckpt_path
+from src.runtime.hydra_launch import isolated_job
+from src.utils.errors import ConfigError
+from src.utils.hydra_errors import hydra_main
+from src.utils.pylogger import RankedLogger
+from src.utils.resolvers import register_resolvers
+from src.utils.task import extras, task_wrapper
 
 log = RankedLogger(__name__)
 register_resolvers()

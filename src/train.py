@@ -18,31 +18,31 @@ import rootutils
 # the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/utils/job_setup.py)
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True, dotenv=False)
 
-from src.runtime import prompt_exit  # noqa: E402
+from src.runtime import prompt_exit
 
 if __name__ == "__main__":
     prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
 
-import hydra  # noqa: E402
-import lightning as L  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+import hydra
+import lightning as L
+from omegaconf import DictConfig
 
-from src.checkpointing.last_checkpoint import best_checkpoint  # noqa: E402
-from src.checkpointing.required import with_resume_callbacks  # noqa: E402
-from src.checkpointing.start import check_checkpoint, resume_checkpoint  # noqa: E402
-from src.run.status import completed_task, run_status, task_overrides  # noqa: E402
-from src.runtime.hydra_launch import isolated_job  # noqa: E402
-from src.strategies.launchers import preflight  # noqa: E402
-from src.utils.config_checks import check_config  # noqa: E402
-from src.utils.instantiators import (  # noqa: E402
+from src.checkpointing.last_checkpoint import best_checkpoint
+from src.checkpointing.required import with_resume_callbacks
+from src.checkpointing.start import check_checkpoint, resume_checkpoint
+from src.run.status import completed_task, run_status, task_overrides
+from src.runtime.hydra_launch import isolated_job
+from src.strategies.launchers import preflight
+from src.utils.config_checks import check_config
+from src.utils.instantiators import (
     drop_callbacks_needing_a_logger,
     instantiate_callbacks,
     instantiate_loggers,
 )
-from src.utils.logging_utils import log_hyperparameters  # noqa: E402
-from src.utils.pylogger import RankedLogger, lightning_lines_held  # noqa: E402
-from src.utils.resolvers import register_resolvers  # noqa: E402
-from src.utils.task import extras, get_metric_value, task_wrapper  # noqa: E402
+from src.utils.logging_utils import log_hyperparameters
+from src.utils.pylogger import RankedLogger, lightning_lines_held
+from src.utils.resolvers import register_resolvers
+from src.utils.task import extras, get_metric_value, task_wrapper
 
 log = RankedLogger(__name__)
 register_resolvers()
@@ -114,7 +114,7 @@ def fit(cfg: DictConfig, trainer: L.Trainer, model: L.LightningModule, datamodul
             trainer.loggers = loggers
 
 
-from src.utils.hydra_errors import hydra_main  # noqa: E402
+from src.utils.hydra_errors import hydra_main
 
 
 @hydra_main(version_base="1.3", config_path="../configs", config_name="train.yaml")  # config errors: 1 line
