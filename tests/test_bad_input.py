@@ -46,7 +46,10 @@ def test_bad_sigterm_check_interval(tmp_path):
     proc = run_entry("train", "trainer=ddp", "trainer.strategy.sigterm_check_every_n_batches=0",
                      f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 2
-    assert "sigterm_check_every_n_batches=0 must be an integer >= 1" in error_line(proc)
+    line = error_line(proc)
+    assert "sigterm_check_every_n_batches=0 must be an integer >= 1" in line
+    # the strategy's constructor refused it, inside Hydra's instantiate: Lightning's start-up lines still held
+    assert proc.stderr.strip().splitlines() == [line], "nothing else on stderr (no Lightning start-up lines)"
 
 
 def test_batch_not_divisible_by_replicas_fails_before_launch(tmp_path):

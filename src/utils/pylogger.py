@@ -49,9 +49,10 @@ LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 @contextlib.contextmanager
 def lightning_lines_held() -> Iterator[None]:
     """Hold Lightning's start-up lines while a run is built and checked: a run refused with bad input
-    (:class:`~src.utils.errors.UserError`, or exit 2) prints its one error line alone, and the held lines
-    are dropped; otherwise they are printed, in order, when the block ends."""
-    from src.utils.errors import UserError
+    (:class:`~src.utils.errors.UserError`, also one raised in a constructor that Hydra instantiates, or exit 2)
+    prints its one error line alone, and the held lines are dropped; otherwise they are printed, in order,
+    when the block ends."""
+    from src.utils.errors import user_error_cause
 
     held: list[logging.LogRecord] = []
 
@@ -67,8 +68,8 @@ def lightning_lines_held() -> Iterator[None]:
     refused = False
     try:
         yield
-    except UserError:
-        refused = True
+    except Exception as err:  # a UserError, also inside Hydra's InstantiationException (a constructor's check)
+        refused = user_error_cause(err) is not None
         raise
     except SystemExit as exit_:
         refused = exit_.code == 2
