@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import re
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,34 @@ def test_bad_sigterm_check_interval(tmp_path):
     assert "sigterm_check_every_n_batches=0 must be an integer >= 1" in line
     # the strategy's constructor refused it, inside Hydra's instantiate: Lightning's start-up lines still held
     assert proc.stderr.strip().splitlines() == [line], "nothing else on stderr (no Lightning start-up lines)"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("strategy", "options", "message"), [
+    ("DDPStrategy", {"bogus": 1}, "trainer.strategy.bogus is not an option of trainer=ddp; fix: remove it"),
+    ("DDPStrategy", {"find_unused_parameters": True}, None),  # Lightning hands it to torch's DDP
+    ("FSDPStrategy", {"find_unused_parameters": True}, "is a trainer=ddp setting, but this run uses trainer=fsdp"),
+    ("DataParallelStrategy", {"hang_timeout_s": 5}, "is a trainer=ddp setting, but this run uses trainer=dp"),
+    ("ParameterServerStrategy", {"sharding_strategy": "full"}, "is a trainer=fsdp setting, but this run uses trainer=ps"),
+])
+def test_a_strategy_option_is_checked_against_the_strategy_that_takes_it(strategy, options, message):
+    import src.strategies
+
+    build = getattr(src.strategies, strategy)
+    if message is None:
+        build(**options)
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build(**options)
+
+
+def test_an_unknown_ddp_option_stops_before_any_rank_starts(tmp_path):
+    proc = run_entry("train", "trainer=ddp", "trainer.devices=2", "+trainer.strategy.bogus=1",
+                     f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = error_line(proc)
+    assert "trainer.strategy.bogus is not an option of trainer=ddp" in line
+    assert proc.stderr.strip().splitlines() == [line], "no rank started, nothing else printed"
 
 
 def test_batch_not_divisible_by_replicas_fails_before_launch(tmp_path):

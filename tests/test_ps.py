@@ -77,10 +77,11 @@ def test_the_constructor_refuses_bad_settings(kwargs, message):
 
 
 @pytest.mark.fast
-def test_pipeline_dp_and_ddp_refuse_ps_settings():
-    from src.strategies import DataParallelStrategy, DDPStrategy, PipelineStrategy
+def test_pipeline_dp_ddp_and_fsdp_refuse_ps_settings():
+    from src.strategies import DataParallelStrategy, DDPStrategy, FSDPStrategy, PipelineStrategy
 
-    for strategy, name in ((PipelineStrategy, "pipeline"), (DataParallelStrategy, "dp"), (DDPStrategy, "ddp")):
+    for strategy, name in ((PipelineStrategy, "pipeline"), (DataParallelStrategy, "dp"), (DDPStrategy, "ddp"),
+                           (FSDPStrategy, "fsdp")):
         with pytest.raises(ConfigError, match=f"is a trainer=ps setting, but this run uses trainer={name}"):
             strategy(num_servers=1)
 

@@ -33,8 +33,8 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from src.checkpointing.io import AtomicCheckpointIODefault
 from src.runtime.sigterm import install_sigterm_agreement
 from src.strategies.launchers import PreflightMultiprocessingLauncher, PreflightSubprocessLauncher
+from src.strategies.options import refuse_foreign_options
 from src.strategies.process_life import ProcessLife, collective_timeout
-from src.strategies.ps.layout import refuse_mixing
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 
@@ -52,11 +52,12 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife,
         **kwargs: Lightning's DDPStrategy arguments.
     """
 
+    strategy_name = "ddp"  # the trainer= config that builds it (ddp_spawn too)
     runs_owned_step = True  # the module may own its training step (src/models/owned_step.py)
 
     def __init__(self, *args: Any, sigterm_check_every_n_batches: int = 10, hang_timeout_s: float | None = 120.0,
                  timeout: timedelta | float | None = None, **kwargs: Any) -> None:
-        refuse_mixing(getattr(self, "strategy_name", "ddp"), kwargs)
+        refuse_foreign_options(type(self), kwargs)
         timeout = collective_timeout(timeout)
         super().__init__(*args, timeout=timeout, **kwargs)
         self.init_process_life(sigterm_check_every_n_batches, hang_timeout_s, timeout,

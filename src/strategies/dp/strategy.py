@@ -41,7 +41,7 @@ from src.strategies.dp.shards import (
     shard_sizes,
     split_batch,
 )
-from src.strategies.ps.layout import refuse_mixing
+from src.strategies.options import refuse_foreign_options
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 
@@ -65,9 +65,7 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
         precision_plugin: pl.plugins.Precision | None = None,
         **unknown: Any,
     ) -> None:
-        refuse_mixing("dp", unknown)
-        if unknown:
-            raise TypeError(f"DataParallelStrategy got unexpected arguments {sorted(unknown)}")
+        refuse_foreign_options(type(self), unknown)
         self._num_nodes = 1
         self._runner: ShardRunner | None = None
         super().__init__(

@@ -49,6 +49,7 @@ from src.strategies.fsdp.wrap import (
     shard_by_blocks,
 )
 from src.strategies.launchers import PreflightSubprocessLauncher
+from src.strategies.options import refuse_foreign_options
 from src.strategies.process_life import ProcessLife, collective_timeout
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
@@ -74,7 +75,8 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
     def __init__(self, sharding_strategy: str = "full", hybrid_shard_size: int | None = None,
                  cpu_offload: bool = False, state_dict_type: str = "sharded", process_group_backend: str | None = None,
                  timeout: timedelta | float | None = None, hang_timeout_s: float | None = 120.0,
-                 sigterm_check_every_n_batches: int = 10) -> None:
+                 sigterm_check_every_n_batches: int = 10, **unknown: Any) -> None:
+        refuse_foreign_options(type(self), unknown)
         if state_dict_type not in STATE_DICT_TYPES:
             raise ConfigError(f"trainer.strategy.state_dict_type={state_dict_type!r} is not a checkpoint format; fix: "
                               "sharded (a folder of shards) or full (one file)")

@@ -50,24 +50,3 @@ def shard_by_size(sizes: Sequence[int], num_servers: int) -> list[int]:
         owner[i] = server
         load[server] += sizes[i]
     return owner
-
-
-# -- ps and the strategies it does not combine with ------------------------------------------------
-PS_OPTIONS = ("num_servers", "max_staleness", "server_device")
-PIPELINE_OPTIONS = ("stages", "n_microbatches", "schedule", "stages_per_rank", "dp_size", "balance")
-
-
-def refuse_mixing(strategy: str, options: dict) -> None:
-    """One line when a strategy's config carries another's options: ps with pipeline (or dp, ddp) settings.
-
-    A ps worker is one process on one device: it is not split into pipeline stages or dp threads (each
-    would need pushes of its own), and a DDP group would tie the workers back together.
-    """
-    from src.utils.errors import ConfigError  # here: ddp.py imports this module while src.utils loads
-
-    foreign, other = (PIPELINE_OPTIONS, "pipeline") if strategy == "ps" else (PS_OPTIONS, "ps")
-    found = [k for k in foreign if k in options]
-    if found:
-        raise ConfigError(f"trainer.strategy.{found[0]} is a trainer={other} setting, but this run uses trainer="
-                          f"{strategy}: ps does not combine with pipeline, dp or ddp (a ps worker is one process on "
-                          f"one device); fix: remove trainer.strategy.{found[0]}, or use trainer={other} alone")

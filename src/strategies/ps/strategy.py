@@ -53,7 +53,7 @@ from src.strategies.launchers import PSSubprocessLauncher
 from src.strategies.process_life import positive_seconds
 from src.strategies.ps.client import PushPullOptimizer, ServerClient, ServerLost, read_server
 from src.strategies.ps.coordination import JobStore, end_job_after_failure
-from src.strategies.ps.layout import CHIEF, Roles, refuse_mixing, shard_by_size
+from src.strategies.ps.layout import CHIEF, Roles, shard_by_size
 from src.strategies.ps.serve import ServerLinks, why_it_left
 from src.strategies.ps.server import ParameterServer, shaped_views
 from src.utils import lightning_compat as compat
@@ -92,7 +92,6 @@ class ParameterServerStrategy(DDPStrategy):
     def __init__(self, num_servers: int = 1, max_staleness: int | None = None, server_device: str = "auto",
                  link_timeout_s: float | None = 120.0, sigterm_check_every_n_batches: int = 1,
                  start_method: str = "popen", process_group_backend: str | None = None, **kwargs: Any) -> None:
-        refuse_mixing("ps", kwargs)
         if "hang_timeout_s" in kwargs:
             raise ConfigError("trainer.strategy.hang_timeout_s times the heartbeat watchdog of ddp, fsdp and pipeline; "
                               "trainer=ps has none: a silent link is timed by trainer.strategy.link_timeout_s; fix: "
