@@ -60,6 +60,9 @@ def test_bad_sigterm_check_interval(tmp_path):
     ("FSDPStrategy", {"find_unused_parameters": True}, "is a trainer=ddp setting, but this run uses trainer=fsdp"),
     ("DataParallelStrategy", {"hang_timeout_s": 5}, "is a trainer=ddp setting, but this run uses trainer=dp"),
     ("ParameterServerStrategy", {"sharding_strategy": "full"}, "is a trainer=fsdp setting, but this run uses trainer=ps"),
+    # a base class's option that the strategy's constructor does not pass on is refused, not dropped
+    ("FSDPStrategy", {"tensor_parallel_size": 2}, "trainer.strategy.tensor_parallel_size is not an option of trainer=fsdp"),
+    ("DataParallelStrategy", {"cluster_environment": None}, "cluster_environment is a trainer=ddp setting"),
 ])
 def test_a_strategy_option_is_checked_against_the_strategy_that_takes_it(strategy, options, message):
     import src.strategies

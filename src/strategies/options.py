@@ -28,7 +28,10 @@ def _parameters(init: Any) -> set[str]:
 
 @cache
 def accepted_options(strategy: type) -> frozenset[str]:
-    """Every keyword the constructors of ``strategy`` and its bases take."""
+    """Every keyword ``strategy``'s constructor takes: its own, and those it hands on to its bases (all of
+    them, unless it says ``names_every_option``)."""
+    if getattr(strategy, "names_every_option", False):
+        return frozenset(_parameters(strategy.__init__))
     names = set().union(*(_parameters(c.__init__) for c in strategy.__mro__ if "__init__" in vars(c)))
     if issubclass(strategy, LightningDDPStrategy):  # Lightning passes its other keywords on to torch's DDP
         names |= _parameters(DistributedDataParallel.__init__) - {"module"}
@@ -50,7 +53,8 @@ def refuse_foreign_options(strategy: type, options: Mapping[str, Any]) -> None:
     if not unknown:
         return
     key, name = unknown[0], strategy.strategy_name
-    owner = next((s.strategy_name for s in _project_strategies() if key in accepted_options(s)), None)
+    owner = next((s.strategy_name for s in _project_strategies()
+                  if s.strategy_name != name and key in accepted_options(s)), None)
     if owner is not None:
         raise ConfigError(f"trainer.strategy.{key} is a trainer={owner} setting, but this run uses trainer={name}; "
                           f"fix: remove trainer.strategy.{key}, or use trainer={owner}")

@@ -56,6 +56,7 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
     """
 
     strategy_name = "dp"
+    names_every_option = True  # its constructor passes none of its bases' options on (src/strategies/options.py)
 
     def __init__(
         self,

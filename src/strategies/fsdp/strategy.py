@@ -71,6 +71,7 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
     """
 
     strategy_name = "fsdp"
+    names_every_option = True  # its constructor passes none of its bases' options on (src/strategies/options.py)
 
     def __init__(self, sharding_strategy: str = "full", hybrid_shard_size: int | None = None,
                  cpu_offload: bool = False, state_dict_type: str = "sharded", process_group_backend: str | None = None,
