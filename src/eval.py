@@ -33,11 +33,9 @@ from src.utils.hydra_errors import hydra_main
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers
 from src.utils.logging_utils import log_hyperparameters
 from src.utils.pylogger import RankedLogger, lightning_lines_held
-from src.utils.resolvers import register_resolvers
 from src.utils.task import extras, task_wrapper
 
 log = RankedLogger(__name__)
-register_resolvers()
 
 
 @task_wrapper

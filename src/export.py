@@ -36,11 +36,9 @@ from src.runtime.hydra_launch import isolated_job
 from src.utils.errors import ConfigError
 from src.utils.hydra_errors import hydra_main
 from src.utils.pylogger import RankedLogger
-from src.utils.resolvers import register_resolvers
 from src.utils.task import extras, task_wrapper
 
 log = RankedLogger(__name__)
-register_resolvers()
 FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
 TOLERANCE = 1e-4  # the export must give the checkpoint model's outputs within this (max abs difference)
 

@@ -37,11 +37,9 @@ from src.strategies.launchers import preflight
 from src.utils.config_checks import check_config
 from src.utils.hydra_errors import hydra_main
 from src.utils.pylogger import RankedLogger, lightning_lines_held
-from src.utils.resolvers import register_resolvers
 from src.utils.task import extras, task_wrapper
 
 log = RankedLogger(__name__)
-register_resolvers()
 
 
 @task_wrapper

@@ -34,6 +34,7 @@ from src.run.status import completed_task, run_status, task_overrides
 from src.runtime.hydra_launch import isolated_job
 from src.strategies.launchers import preflight
 from src.utils.config_checks import check_config
+from src.utils.hydra_errors import hydra_main
 from src.utils.instantiators import (
     drop_callbacks_needing_a_logger,
     instantiate_callbacks,
@@ -41,11 +42,9 @@ from src.utils.instantiators import (
 )
 from src.utils.logging_utils import log_hyperparameters
 from src.utils.pylogger import RankedLogger, lightning_lines_held
-from src.utils.resolvers import register_resolvers
 from src.utils.task import extras, get_metric_value, task_wrapper
 
 log = RankedLogger(__name__)
-register_resolvers()
 
 
 @task_wrapper
@@ -112,9 +111,6 @@ def fit(cfg: DictConfig, trainer: L.Trainer, model: L.LightningModule, datamodul
             trainer.validate(model=model, datamodule=datamodule, verbose=False)
         finally:
             trainer.loggers = loggers
-
-
-from src.utils.hydra_errors import hydra_main
 
 
 @hydra_main(version_base="1.3", config_path="../configs", config_name="train.yaml")  # config errors: 1 line
