@@ -223,8 +223,8 @@ def test_predict_is_refused_before_any_process_starts():
 @pytest.mark.fast
 def test_one_global_batch_rule_for_every_strategy():
     """One function owns the split: replicas x micro-batches for a pipeline, replicas for DDP, >= devices for dp."""
-    from src.data.components.global_batch import per_replica_batch_size
     from src.strategies.dp import DataParallelStrategy
+    from src.strategies.global_batch import per_replica_batch_size
 
     pipe = Trainer(accelerator="cpu", devices=4, strategy=PipelineStrategy(dp_size=2, n_microbatches=4),
                    logger=False).strategy

@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader
 
 from src.data.components.batch_transforms import normalize, to_unit_float
 from src.data.components.folds import check_fold, stratified_folds
-from src.data.components.global_batch import per_replica_batch_size
 from src.data.components.in_memory import InMemoryDataset, keep_batch
 from src.data.components.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
+from src.strategies.global_batch import per_replica_batch_size
 from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
 from src.utils.seeding import rank_seed

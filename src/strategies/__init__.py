@@ -1,6 +1,7 @@
 """The project's Lightning strategies: ``single_device`` and ``ddp`` (Lightning's, plus the project's fixes),
 ``fsdp`` (FSDP2 with the same fixes), ``dp``, ``pipeline`` and ``ps`` (parameter servers); ``launchers`` is how
-the multi-process ones start their ranks, ``process_life`` what ddp and fsdp share.
+the multi-process ones start their ranks, ``process_life`` what ddp and fsdp share, ``global_batch`` how a
+global batch splits over each strategy's replicas, ``options`` which strategy takes an option.
 
 Importing this package registers ``dp``, ``pipeline`` and ``ps`` with Lightning's ``StrategyRegistry``, so
 ``Trainer(strategy="dp")`` (and ``trainer.strategy=dp`` in configs) resolves them. ``fsdp`` is not

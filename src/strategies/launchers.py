@@ -25,12 +25,12 @@ from typing import Any
 
 import lightning as L
 
-from src.data.components.global_batch import per_replica_batch_size
 from src.runtime.child_guard import guard_child_ranks
 from src.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
 from src.runtime.hydra_launch import entry_command
 from src.runtime.local_store import STORE_ENV, prepare_local_store
 from src.runtime.rendezvous import check_rendezvous
+from src.strategies.global_batch import per_replica_batch_size
 from src.utils import lightning_compat as compat
 from src.utils.hooks import ChecksBeforeLaunch, FetchesData, GlobalBatch
 from src.utils.pylogger import current_rank

@@ -32,7 +32,6 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
 from src.checkpointing.io import AtomicCheckpointIODefault
-from src.data.components.global_batch import check_dp_batch
 from src.strategies.dp.shards import (
     ShardRunner,
     batch_size_of,
@@ -41,6 +40,7 @@ from src.strategies.dp.shards import (
     shard_sizes,
     split_batch,
 )
+from src.strategies.global_batch import check_dp_batch
 from src.strategies.options import refuse_foreign_options
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError

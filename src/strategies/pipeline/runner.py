@@ -81,7 +81,7 @@ class PipelineRunner:
         The gradients are those of the full-batch mean loss (scaled by ``1/n_microbatches``
         inside the schedule). Returns the full-batch output and mean loss on every rank.
         """
-        schedule = self._schedule(True, inputs)  # the batch divides: src.data.components.global_batch checked it
+        schedule = self._schedule(True, inputs)  # the batch divides: src.strategies.global_batch checked it
         losses: list[Tensor] = []
         args = (inputs,) if self.holds_first else ()
         output = schedule.step(*args, target=target, losses=losses)
