@@ -77,6 +77,20 @@ def test_the_constructor_refuses_bad_settings(kwargs, message):
 
 
 @pytest.mark.fast
+def test_sync_batchnorm_reaches_ps_and_is_refused():
+    """ps is not Lightning's DDP, yet the Trainer still hands it the SyncBatchNorm plugin, which it refuses."""
+    import lightning as L
+
+    from src.strategies.ps.strategy import ParameterServerStrategy
+
+    strategy = ParameterServerStrategy()
+    trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy, sync_batchnorm=True, logger=False)
+    with pytest.raises(ConfigError, match="sync_batchnorm=true needs a process group over the workers"):
+        strategy.check_before_launch(trainer, L.LightningModule())
+    assert (strategy.num_nodes, strategy.num_processes, strategy.world_size) == (1, 3, 3)
+
+
+@pytest.mark.fast
 def test_pipeline_dp_ddp_and_fsdp_refuse_ps_settings():
     from src.strategies import DataParallelStrategy, DDPStrategy, FSDPStrategy, PipelineStrategy
 

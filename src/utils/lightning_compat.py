@@ -237,6 +237,12 @@ def set_root_device(strategy: SingleDeviceStrategy, device: torch.device) -> Non
     strategy._root_device = device
 
 
+def accept_sync_batchnorm(strategy: Strategy) -> None:
+    """Give a strategy that is not Lightning's DDP the slot where the Trainer puts ``sync_batchnorm``'s plugin
+    (it fills it only where it exists), so the strategy can see the request and refuse it."""
+    strategy._layer_sync = None
+
+
 def layer_sync_of(strategy: Strategy) -> Any:
     """The SyncBatchNorm plugin the Trainer gave ``strategy`` (``sync_batchnorm=True``), or None."""
     return getattr(strategy, "_layer_sync", None)

@@ -36,21 +36,25 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from src.checkpointing.io import AtomicCheckpointIODefault
 from src.runtime.exit_cleanup import destroy_default_group_at_exit, release_before_destroy
 from src.runtime.local_store import local_store_path
 from src.runtime.sigterm import Preempted, SigtermSync, install_stop_handlers, stop_for_preemption
-from src.strategies.ddp import DDPStrategy
 from src.strategies.launchers import PSSubprocessLauncher
-from src.strategies.process_life import positive_seconds
+from src.strategies.options import refuse_foreign_options
+from src.strategies.process_life import ProcessLife, collective_timeout, positive_seconds
 from src.strategies.ps.client import PushPullOptimizer, ServerClient, ServerLost, read_server
 from src.strategies.ps.coordination import JobStore, end_job_after_failure
 from src.strategies.ps.layout import CHIEF, Roles, shard_by_size
@@ -66,8 +70,11 @@ POLL_S = 0.25
 SERVER_DEVICES = ("auto", "cpu")
 
 
-class ParameterServerStrategy(DDPStrategy):
+class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife, ParallelStrategy):
     """Parameter servers and asynchronous workers over ``trainer.devices x num_nodes`` processes.
+
+    Built on Lightning's ``ParallelStrategy`` with what it shares with ddp (the launcher with its pre-flight,
+    the process life, atomic checkpoints), not on DDP: no process group spans the job.
 
     Args:
         num_servers: ranks ``0 .. num_servers-1`` serve; the others are workers.
@@ -82,20 +89,28 @@ class ParameterServerStrategy(DDPStrategy):
             ``timeout``, 10 minutes by default). It must exceed the longest wait for a round. (ps runs no
             heartbeat watchdog, so ddp's ``hang_timeout_s`` is refused here.)
         sigterm_check_every_n_batches: how often a rank looks at its stop note (no collective: 1 is cheap).
-        **kwargs: the project's :class:`~src.strategies.ddp.DDPStrategy` arguments (``timeout`` ...).
+        timeout: how long a rank waits at the rendezvous store (``timedelta`` or seconds; ``None``: 10 min).
+        start_method, process_group_backend: accepted for the configs' sake; only ``popen`` and gloo links run.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as Lightning's.
     """
 
     strategy_name = "ps"
+    names_every_option = True  # src/strategies/options.py
     runs_owned_step = False  # its optimizer step pushes gradients to the servers
     random_state_per_rank = False  # updates depend on when pushes arrive: a resumed run cannot replay bit-exact
 
     def __init__(self, num_servers: int = 1, max_staleness: int | None = None, server_device: str = "auto",
                  link_timeout_s: float | None = 120.0, sigterm_check_every_n_batches: int = 1,
-                 start_method: str = "popen", process_group_backend: str | None = None, **kwargs: Any) -> None:
-        if "hang_timeout_s" in kwargs:
+                 timeout: dt.timedelta | float | None = None, start_method: str = "popen",
+                 process_group_backend: str | None = None, accelerator: pl.accelerators.Accelerator | None = None,
+                 parallel_devices: list[torch.device] | None = None, cluster_environment: Any | None = None,
+                 checkpoint_io: Any | None = None, precision_plugin: pl.plugins.Precision | None = None,
+                 **unknown: Any) -> None:
+        if "hang_timeout_s" in unknown:
             raise ConfigError("trainer.strategy.hang_timeout_s times the heartbeat watchdog of ddp, fsdp and pipeline; "
                               "trainer=ps has none: a silent link is timed by trainer.strategy.link_timeout_s; fix: "
                               "set that instead")
+        refuse_foreign_options(type(self), unknown)
         if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
             raise ConfigError(f"trainer.strategy.num_servers={num_servers!r} is not an integer >= 1; fix: set one")
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
@@ -113,8 +128,13 @@ class ParameterServerStrategy(DDPStrategy):
                               "sends through gloo links; fix: leave it null")
         self.num_servers, self.max_staleness, self.server_device = num_servers, max_staleness, server_device
         self.link_timeout_s = positive_seconds("link_timeout_s", link_timeout_s, "for the collective timeout")
-        super().__init__(start_method=start_method, hang_timeout_s=None,  # no heartbeat watchdog: links time out
-                         sigterm_check_every_n_batches=sigterm_check_every_n_batches, **kwargs)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._num_nodes = 1
+        compat.accept_sync_batchnorm(self)  # so that sync_batchnorm=true reaches the pre-flight, which refuses it
+        self.init_process_life(sigterm_check_every_n_batches, None,  # no heartbeat watchdog: links time out
+                               collective_timeout(timeout), process_group_backend)
         self.jobs: JobStore | None = None
         self.server: ParameterServer | None = None
         self.links: ServerLinks | None = None
@@ -136,6 +156,32 @@ class ParameterServerStrategy(DDPStrategy):
         if devices and getattr(self, "server_device", "auto") == "cpu" and devices[0].type != "cpu":
             devices = [torch.device("cpu")] * self.num_servers + list(devices)
         self._ps_devices = devices
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes  # set by the Trainer from trainer.num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    def set_world_ranks(self) -> None:
+        """This rank's place from the launcher's environment, as Lightning's DDP sets it."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
 
     @property
     def roles(self) -> Roles:
