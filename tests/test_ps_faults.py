@@ -118,8 +118,10 @@ def test_a_worker_started_again_with_its_own_command_rejoins(tmp_path):
     """Kill -9 worker 0, then start its process again with the same command line and environment (what a
     supervisor or a re-issued srun step does): the servers log it joining again, and it and the job exit 0."""
     run_dir = tmp_path / "run"
+    # steps slowed to 0.2 s: the job outlasts a restart on a loaded machine (at 0.1 s, a busy run could finish
+    # before the restarted worker joined)
     proc = launch(command("trainer=ps", "trainer.devices=3", *TOY, "data.batch_size=32", "++trainer.limit_train_batches=100",
-                          "test=false", *SLOW, "+callbacks.slow.delay_s=0.1", f"hydra.run.dir={run_dir}"))
+                          "test=false", *SLOW, "+callbacks.slow.delay_s=0.2", f"hydra.run.dir={run_dir}"))
     pids = wait_for_joins(run_dir / "train.log", 2, proc)
     victim = psutil.Process(pids[0])
     cmdline, env, cwd = victim.cmdline(), victim.environ(), victim.cwd()
