@@ -63,6 +63,9 @@ def test_bad_sigterm_check_interval(tmp_path):
     # a base class's option that the strategy's constructor does not pass on is refused, not dropped
     ("FSDPStrategy", {"tensor_parallel_size": 2}, "trainer.strategy.tensor_parallel_size is not an option of trainer=fsdp"),
     ("DataParallelStrategy", {"cluster_environment": None}, "cluster_environment is a trainer=ddp setting"),
+    ("SingleDeviceStrategy", {"bogus": 1}, "trainer.strategy.bogus is not an option of trainer=default; fix: remove"),
+    ("SingleDeviceStrategy", {"num_servers": 1}, "is a trainer=ps setting, but this run uses trainer=default"),
+    ("SingleDeviceStrategy", {"accelerator": None}, None),  # Lightning's own keyword
 ])
 def test_a_strategy_option_is_checked_against_the_strategy_that_takes_it(strategy, options, message):
     import src.strategies
@@ -82,6 +85,14 @@ def test_an_unknown_ddp_option_stops_before_any_rank_starts(tmp_path):
     line = error_line(proc)
     assert "trainer.strategy.bogus is not an option of trainer=ddp" in line
     assert proc.stderr.strip().splitlines() == [line], "no rank started, nothing else printed"
+
+
+def test_an_unknown_single_device_option_is_one_line(tmp_path):
+    proc = run_entry("train", "trainer=cpu", "+trainer.strategy.bogus=1", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = error_line(proc)
+    assert "trainer.strategy.bogus is not an option of trainer=default" in line
+    assert proc.stderr.strip().splitlines() == [line]
 
 
 def test_batch_not_divisible_by_replicas_fails_before_launch(tmp_path):

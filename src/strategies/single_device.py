@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingleDeviceStrategy
 
 from src.checkpointing.io import AtomicCheckpointIODefault
+from src.strategies.options import refuse_foreign_options
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 
@@ -30,9 +31,11 @@ class SingleDeviceStrategy(AtomicCheckpointIODefault, LightningSingleDeviceStrat
         **kwargs: Lightning's SingleDeviceStrategy arguments.
     """
 
+    strategy_name = "default"  # configs/trainer/default.yaml (cpu, gpu and mps build it too)
     runs_owned_step = True  # the module may own its training step (src/models/owned_step.py)
 
     def __init__(self, device: str | torch.device | int | None = None, **kwargs: Any) -> None:
+        refuse_foreign_options(type(self), kwargs)
         super().__init__(device="cpu" if device is None else device, **kwargs)
         self._chosen_by_trainer = device is None
 
