@@ -25,6 +25,7 @@ from tests.helpers.run_if import gpu_test
 
 STEP_LR = "model.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:1,gamma:0.5}"
 SCHEDULE_PER_STEP = "model._target_=tests.test_step_capture.PerStepScheduleRegression"
+ONE_CYCLE = "model.scheduler={_target_:torch.optim.lr_scheduler.OneCycleLR,_partial_:true,max_lr:0.05,total_steps:20}"
 
 
 class PerStepScheduleRegression(RegressionModule):
@@ -108,7 +109,10 @@ def test_the_stand_in_drops_python_bakes_floats_and_refuses_host_reads():
     # a ragged last batch (eager); a step scheduler fills the learning rate on the device: one capture
     (["model=toy", "data=toy", SCHEDULE_PER_STEP, STEP_LR.replace("step_size:1,gamma:0.5", "step_size:5,gamma:0.9"),
       "data.batch_size=60", "++trainer.limit_train_batches=1.0", "trainer.max_epochs=2"], 1),
-], ids=["mlp-dropout-epoch-scheduler", "toy-ragged-step-scheduler"])
+    # OneCycleLR also cycles Adam's beta1 every step (a tuple of floats, baked in): a capture per step
+    (["model=toy", "data=toy", SCHEDULE_PER_STEP, ONE_CYCLE, "++trainer.limit_train_batches=12",
+      "trainer.max_epochs=1"], 12 - step_capture.WARMUP_STEPS),
+], ids=["mlp-dropout-epoch-scheduler", "toy-ragged-step-scheduler", "toy-momentum-cycle"])
 def test_the_captured_step_equals_the_eager_step_bit_for_bit(make_cfg, graphs, case, captures):
     captured = fit(make_cfg, "captured", *case, "model.step_capture=true")
     eager = fit(make_cfg, "eager", *case, "model.step_capture=false")

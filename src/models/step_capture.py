@@ -12,10 +12,11 @@ a capture needs, and where this module provides it:
 * no host sync inside the step, no Python work that must run on every step (what runs only at capture
   time is dropped at replay: Lightning's step counter is counted here, metric updates and logging run
   eagerly on the replay's outputs, schedulers run eagerly between replays);
-* floats baked in: a learning rate is a Python float read at capture time. A scheduler that replaces it
-  (epoch-interval ones, or any code that assigns ``param_group["lr"]``) triggers a fresh capture before
-  the next replay; a step-interval scheduler would re-capture every step, so its learning rate becomes a
-  device tensor that the scheduler fills in place;
+* floats baked in: a learning rate, betas, momentum or weight decay is a Python value read at capture
+  time. A change of any group setting (an epoch-interval scheduler, OneCycleLR's momentum cycle, code that
+  assigns ``param_group["lr"]``) triggers a fresh capture before the next replay; a step-interval
+  scheduler would re-capture every step for its learning rate, so that becomes a device tensor that the
+  scheduler fills in place;
 * autocast without its weight-cast cache inside the capture (the cache would hold casts from outside it).
 
 The graph is replayed only for batches of the captured shape: a ragged last batch runs the eager step.
@@ -141,6 +142,23 @@ def learning_rates_on_device(optimizer: torch.optim.Optimizer, device: torch.dev
             group["lr"] = torch.tensor(group["lr"], dtype=dtype, device=device)
 
 
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings (all but its parameters): what a capture reads when it records the step."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def same_settings(a: Any, b: Any) -> bool:
+    """Whether a replay still does what the capture recorded: values equal, tensors (read by the replay, so
+    filled in place) the very same objects."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_settings(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_settings(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
 def learning_rates_as_floats(checkpoint: dict) -> None:
     """A checkpoint keeps learning rates as floats, as an eager run holds them: it loads in either mode."""
     for state in checkpoint.get("optimizer_states", []):
@@ -163,7 +181,7 @@ class StepCapture:
         self.graph: StepGraph | None = None
         self.static_batch: tuple[Tensor, ...] | None = None
         self.static_out: StepOutput | None = None
-        self.captured_lrs: list[Any] = []
+        self.captured_settings: list[dict[str, Any]] = []  # each param group's settings at capture
         self.said: set[str] = set()
         self.captures = self.replayed = 0
         self.side_stream = torch.cuda.Stream() if module.device.type == "cuda" else None
@@ -211,8 +229,7 @@ class StepCapture:
         else:
             for static, t in zip(self.static_batch, batch, strict=True):
                 static.copy_(t)
-        groups = optimizer.optimizer.param_groups
-        if self.graph is None or any(g["lr"] is not lr for g, lr in zip(groups, self.captured_lrs, strict=True)):
+        if self.graph is None or not same_settings(group_settings(optimizer.optimizer), self.captured_settings):
             self.capture(optimizer)  # counts this step, through Lightning's optimizer.step
         else:
             compat.count_manual_step(optimizer)
@@ -232,4 +249,4 @@ class StepCapture:
             module.manual_backward(out["loss"])
             optimizer.step()
         self.static_out = out
-        self.captured_lrs = [g["lr"] for g in optimizer.optimizer.param_groups]
+        self.captured_settings = group_settings(optimizer.optimizer)
