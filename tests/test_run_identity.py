@@ -15,7 +15,7 @@ import pytest
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from src.run import identity as run_identity
-from src.run.status import FINISHED, write_status
+from src.run.status import FINISHED, RUNNING, write_status
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 from tests.helpers.training_runs import (
@@ -68,6 +68,22 @@ def test_slurm_job_keeps_its_directory_across_requeues_and_separates_commands(tm
     assert str(run_identity.choose_run_dir(tmp_path, ["model=mlp"])) == a
     # ... unless it asks not to resume: then a fresh dir
     assert str(run_identity.choose_run_dir(tmp_path, ["model=mlp"], auto_resume=False)) == a + "_2"
+
+
+@pytest.mark.fast
+def test_without_auto_resume_a_requeue_starts_beside_the_interrupted_run(tmp_path, monkeypatch):
+    clear_launchers(monkeypatch)
+    monkeypatch.setenv("SKYPILOT_TASK_ID", "sky-7")
+    first = run_identity.choose_run_dir(tmp_path, ["a=1"], auto_resume=False)
+    first.mkdir()
+    # every rank of the same launch, before any checkpoint: the same dir
+    assert run_identity.choose_run_dir(tmp_path, ["a=1"], auto_resume=False) == first
+    (first / "checkpoints").mkdir()
+    (first / "checkpoints" / "epoch_0.ckpt").write_bytes(b"x")  # then killed: status says running (died)
+    write_status(first, RUNNING)
+    again = run_identity.choose_run_dir(tmp_path, ["a=1"], auto_resume=False)
+    assert again == first.with_name(first.name + "_2"), "a fresh dir, not one the checkpoint check refuses"
+    assert run_identity.choose_run_dir(tmp_path, ["a=1"]) == first, "auto_resume still continues the killed run"
 
 
 @pytest.mark.fast

@@ -16,6 +16,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from src.run.status import CHECKPOINT_DIR
+
 LAST_NAME = f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
 
 
@@ -72,7 +74,7 @@ def last_checkpoint_path(trainer: L.Trainer) -> Path:
     if owners:
         return owners[0].path
     dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-    return (Path(dirs[0]) if dirs else Path(trainer.default_root_dir) / "checkpoints") / LAST_NAME
+    return (Path(dirs[0]) if dirs else Path(trainer.default_root_dir) / CHECKPOINT_DIR) / LAST_NAME
 
 
 def best_checkpoint(trainer: L.Trainer) -> str:

@@ -17,6 +17,7 @@ from src.checkpointing.last_checkpoint import LastCheckpoint
 from src.checkpointing.resume_state import ResumeMetricState, ResumeRandomState
 from src.checkpointing.step_limit import StopAtStepLimit
 from src.checkpointing.stop_signals import StopSignals
+from src.run.status import CHECKPOINT_DIR
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
@@ -29,7 +30,7 @@ def resume_callbacks(run_dir: str | Path, last_ckpt_every_n_train_steps: int = 1
     epoch-restart fix, one-process stop signals, a validated stop at ``max_steps``, and loggers that replace the
     rows a resume replays."""
     return [ResumeRandomState(), ResumeMetricState(), EpochRestartFix(), StopSignals(), StopAtStepLimit(), ContinueLogs(),
-            LastCheckpoint(Path(run_dir) / "checkpoints", last_ckpt_every_n_train_steps)]
+            LastCheckpoint(Path(run_dir) / CHECKPOINT_DIR, last_ckpt_every_n_train_steps)]
 
 
 def with_resume_callbacks(chosen: list[Callback], run_dir: str | Path, every_n: int) -> list[Callback]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.run.status import continues_own_run
+from src.run.status import CHECKPOINT_DIR, LAST_CHECKPOINT, continues_own_run, holds_checkpoints
 from src.utils.errors import CheckpointError, ConfigError
 
 
@@ -80,9 +80,6 @@ def saved_weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state["state_dict"].items()}
 
 
-LAST_CHECKPOINT = Path("checkpoints") / "last.ckpt"
-
-
 def resume_checkpoint(cfg: DictConfig, run_dir: str | Path) -> str | None:
     """The checkpoint ``fit`` starts from: ``ckpt_path``, else (``auto_resume``) the run dir's ``last.ckpt``."""
 
@@ -100,9 +97,9 @@ def check_no_earlier_checkpoints(cfg: DictConfig, run_dir: str | Path) -> None:
     ModelCheckpoint would otherwise overwrite ``epoch_*.ckpt`` and ``last.ckpt`` of the earlier run.
     Called by a Hydra callback before Hydra writes ``.hydra/``, so a refused run changes nothing.
     """
-    ckpt_dir = Path(run_dir) / "checkpoints"
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     if not cfg.get("train") or resume_checkpoint(cfg, run_dir) is not None:
         return
-    if ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
+    if holds_checkpoints(run_dir):
         raise ConfigError(f"{ckpt_dir} already holds checkpoints of an earlier run; fix: pick a new "
                           f"hydra.run.dir, or resume with ckpt_path={ckpt_dir / 'last.ckpt'} (or auto_resume=true)")

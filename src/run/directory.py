@@ -20,6 +20,7 @@ from omegaconf import DictConfig, open_dict, read_write
 
 from src.checkpointing.start import check_no_earlier_checkpoints
 from src.run.identity import choose_run_dir, ensure_run_uid, release_run_dirs
+from src.run.status import CHECKPOINT_DIR
 from src.runtime.launch_context import launch_context
 from src.utils.errors import ConfigError, exit_with_error
 
@@ -49,7 +50,7 @@ def discard_refused_run_dir() -> None:
     refused run leaves no directory behind. A directory that existed before (a resume) is never touched."""
     global _created_here
     created, _created_here = _created_here, None
-    if created is not None and created.is_dir() and not (created / "checkpoints").exists():
+    if created is not None and created.is_dir() and not (created / CHECKPOINT_DIR).exists():
         shutil.rmtree(created, ignore_errors=True)
 
 

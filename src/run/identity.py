@@ -9,7 +9,8 @@ writes anything, unless the command names ``hydra.run.dir`` itself. In order:
    finished: the task then finishes what is left (the test), or exits 0 saying the run is complete
    (:func:`src.run.status.completed_task`). The name also carries a hash of the command's
    overrides, so two different trainings in one allocation get two dirs. (``auto_resume=false``: the
-   first of ``name``, ``name_2`` ... that has not finished.)
+   first of ``name``, ``name_2`` ... that has neither finished nor saved a checkpoint: a requeue starts
+   afresh beside the interrupted run.)
 2. **torchrun.** The first rank to ask stores a fresh stamp in the elastic agent's store; the others,
    and the ranks of an elastic restart (``--max-restarts``), read it back. A second launch (new agent,
    same port or not) gets a new stamp.
@@ -39,7 +40,15 @@ import secrets
 from pathlib import Path
 
 from src.run.lock import try_lock
-from src.run.status import ENDED, RUNNING, STATUS_FILE, mark_if_died, read_status
+from src.run.status import (
+    ENDED,
+    LAST_CHECKPOINT,
+    RUNNING,
+    STATUS_FILE,
+    holds_checkpoints,
+    mark_if_died,
+    read_status,
+)
 from src.runtime.launch_context import launch_context
 from src.utils.errors import ConfigError
 
@@ -66,7 +75,8 @@ def choose_run_dir(root: Path, overrides: list[str], auto_resume: bool = True) -
         names = [root / (name if n == 1 else f"{name}_{n}") for n in range(1, 10_000)]
         if auto_resume:  # the newest of name, name_2 ... (earlier versions made _2 after a finished run)
             return next((d for d in reversed(names[:_count_existing(names)])), names[0])
-        return next(d for d in names if read_status(d) not in ENDED)
+        # a fresh run: the first dir that neither ended nor holds checkpoints (all ranks find the same one)
+        return next(d for d in names if read_status(d) not in ENDED and not holds_checkpoints(d))
     stamp = torchrun_stamp()
     if stamp is not None:
         return root / stamp
@@ -109,7 +119,7 @@ def _unfinished_run(root: Path, overrides: list[str]) -> Path | None:
         recorded = _recorded_overrides(run)
         if status in ENDED or recorded is None or without_world_size(recorded) != without_world_size(overrides):
             continue
-        if status == RUNNING and not (run / "checkpoints" / "last.ckpt").exists():  # a file, or fsdp's folder
+        if status == RUNNING and not (run / LAST_CHECKPOINT).exists():
             continue  # its owner may live on another host (its lock would say so only on this one)
         if _lock(run):
             return run
@@ -125,7 +135,7 @@ def without_world_size(overrides: list[str]) -> list[str]:
 
 
 def _last_activity(run: Path) -> float:
-    last = run / "checkpoints" / "last.ckpt"
+    last = run / LAST_CHECKPOINT
     return max(p.stat().st_mtime for p in (run, last, run / STATUS_FILE) if p.exists())
 
 

@@ -31,9 +31,17 @@ if TYPE_CHECKING:  # imported by the run-dir Hydra callback, before logging is s
     from omegaconf import DictConfig
 
 STATUS_FILE = "status.yaml"
+CHECKPOINT_DIR = "checkpoints"  # <run dir>/checkpoints: every fit of the run saves there
+LAST_CHECKPOINT = Path(CHECKPOINT_DIR) / "last.ckpt"  # a file, or trainer=fsdp's folder of shards
 RUNNING, FINISHED, PREEMPTED, FAILED, DIED = "running", "finished", "preempted", "failed", "died"
 PRUNED = "pruned"  # a search's trial that its pruner stopped early (src/callbacks/optuna_pruning.py)
 ENDED = (FINISHED, PRUNED)  # runs that ended as they should: nothing to resume
+
+
+def holds_checkpoints(run_dir: str | os.PathLike) -> bool:
+    """Whether ``run_dir`` holds checkpoints of a fit (files, or fsdp's folders)."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    return folder.is_dir() and any(folder.glob("*.ckpt"))
 
 
 def write_status(run_dir: str | os.PathLike, status: str, detail: str = "", **fields: Any) -> None:
