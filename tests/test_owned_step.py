@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
+from lightning import Callback
 
+from src.checkpointing.last_checkpoint import last_checkpoint_path
 from src.train import train
 from tests.helpers.training_runs import finish, run_dirs, start, wait_for_checkpoint
 
@@ -50,19 +53,35 @@ def test_owned_step_equals_lightnings_step_bit_for_bit(tmp_path, launch):
     assert logged_rows(runs[True]) == logged_rows(runs[False])
 
 
-def test_a_plateau_scheduler_steps_on_the_same_metric(make_cfg):
-    """ReduceLROnPlateau under the owned step: the same weights and the same scheduler state when fit ends."""
-    ends = []
+class KeepEpochEndCheckpoint(Callback):
+    """Copies ``last.ckpt`` as epoch 1's end saved it (before Lightning's loop steps a plateau scheduler)."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 2:
+            shutil.copy(last_checkpoint_path(trainer), last_checkpoint_path(trainer).with_name("epoch_1_end.ckpt"))
+
+
+def test_a_plateau_scheduler_steps_on_the_same_metric_and_resumes_from_an_epoch_end(make_cfg):
+    """ReduceLROnPlateau under either step: the same weights and scheduler state when fit ends; and a run resumed
+    from the ``last.ckpt`` of an epoch's end ends there too (it held the scheduler before its step, which the
+    resume then skipped)."""
+    keep = "+callbacks.keep._target_=tests.test_owned_step.KeepEpochEndCheckpoint"
+    ends, resumed = [], []
     for owned in (True, False):
-        cfg = make_cfg("train", ["model=toy", "data=toy", PLATEAU, f"model.owned_step={owned}", "test=false",
-                                 "trainer.max_epochs=4"], subdir=str(owned))
-        _, objects = train(cfg)
+        common = ["model=toy", "data=toy", PLATEAU, f"model.owned_step={owned}", "test=false", "trainer.max_epochs=4"]
+        _, objects = train(make_cfg("train", [*common, keep], subdir=f"{owned}"))
         module = objects["model"]
         assert module.automatic_optimization is not owned
         ends.append((module.state_dict(), objects["trainer"].lr_scheduler_configs[0].scheduler.state_dict()))
+        epoch_end = last_checkpoint_path(objects["trainer"]).with_name("epoch_1_end.ckpt")
+        _, objects = train(make_cfg("train", [*common, f"ckpt_path={epoch_end}"], subdir=f"{owned}-resumed"))
+        resumed.append((objects["model"].state_dict(), objects["trainer"].lr_scheduler_configs[0].scheduler.state_dict()))
     (weights, plateau), (weights_lightning, plateau_lightning) = ends
     assert all(torch.equal(weights[k], weights_lightning[k]) for k in weights)
     assert plateau == plateau_lightning and plateau["last_epoch"] == 4
+    for (weights, plateau), (weights_resumed, plateau_resumed) in zip(ends, resumed, strict=True):
+        assert plateau_resumed == plateau, "the resumed scheduler took every epoch's step"
+        assert all(torch.equal(weights[k], weights_resumed[k]) for k in weights)
 
 
 @pytest.mark.faults

@@ -4,7 +4,10 @@ Lightning's automatic optimization wraps each step in a closure and runs its hoo
 With manual optimization (Lightning's public API) the module runs the same operations, in the same order
 (zero_grad, backward, the optimizer step through Lightning's precision plugin, then the step-interval
 schedulers), so the numbers are the same bit for bit, with less work per step. Epoch-interval schedulers
-step where Lightning steps them: after the epoch's validation.
+step where Lightning steps them: after the epoch's last batch. A ReduceLROnPlateau scheduler steps on the
+epoch's validation metric in ``on_train_epoch_end``, in both modes: before the epoch's ``last.ckpt``, so a
+resume from it continues with the stepped scheduler (Lightning's loop steps it after that save, and does
+not step it again on resume).
 
 It runs where the strategy says its step is the module's (``runs_owned_step``: single device and DDP)
 and the Trainer asks nothing of automatic optimization (gradient clipping, accumulation). Elsewhere the
@@ -53,6 +56,7 @@ class OwnedStep:
     scheduler_monitor: str  # the metric a ReduceLROnPlateau scheduler follows
     _owned_for: tuple[Any, bool] | None = None  # (trainer, owns): decided once per trainer
     _epoch_ran_to_end = False  # the last owned step was its epoch's last batch
+    _steps_plateau = False  # on_train_epoch_end is stepping the ReduceLROnPlateau schedulers
     _capture: StepCapture | None = None  # this fit's captured step (None: eager)
     step_capture_counts = (0, 0)  # (captures, replayed steps) of the last fit
 
@@ -132,21 +136,35 @@ class OwnedStep:
                 self.lr_scheduler_step(config.scheduler, None)
 
     def on_train_epoch_end(self) -> None:
-        """ReduceLROnPlateau steps on the epoch's validation metric, once per epoch that ran to its end (a resume
-        that restarts at an epoch's end does not step it again)."""
+        """ReduceLROnPlateau steps on the epoch's validation metric here, in either optimization mode: before the
+        epoch's checkpoint, once per epoch that ran all its batches (a resume that restarts at an epoch's end
+        does not step it again)."""
         trainer = self.trainer
-        if self.automatic_optimization or trainer.fit_loop.restarting or not self._epoch_ran_to_end:
+        if trainer.fit_loop.restarting or not compat.epoch_ran_to_end(trainer):
             return
         for config in trainer.lr_scheduler_configs:
             if not (isinstance(config.scheduler, ReduceLROnPlateau) and config.interval == "epoch"):
                 continue
             if (trainer.current_epoch + 1) % config.frequency:
                 continue
-            value = trainer.callback_metrics.get(self.scheduler_monitor)
+            monitor = config.monitor or self.scheduler_monitor
+            value = trainer.callback_metrics.get(monitor)
             if value is None:
-                raise ConfigError(f"ReduceLROnPlateau follows {self.scheduler_monitor}, which was not logged; fix: "
+                raise ConfigError(f"ReduceLROnPlateau follows {monitor}, which was not logged; fix: "
                                   f"set scheduler_monitor to one of {sorted(trainer.callback_metrics)}")
-            self.lr_scheduler_step(config.scheduler, value)
+            self._steps_plateau = True
+            try:
+                self.lr_scheduler_step(config.scheduler, value)
+            finally:
+                self._steps_plateau = False
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Lightning's, less the epoch plateau step its loop takes after the epoch's checkpoint: taken before it,
+        above."""
+        if isinstance(scheduler, ReduceLROnPlateau) and not self._steps_plateau and any(
+                c.scheduler is scheduler and c.interval == "epoch" for c in self.trainer.lr_scheduler_configs):
+            return
+        super().lr_scheduler_step(scheduler, metric)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         learning_rates_as_floats(checkpoint)  # a captured step may hold them as device tensors

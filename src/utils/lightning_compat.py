@@ -113,6 +113,8 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: training_epoch_loop._TrainingEpochLoop, "_broadcast_sigterm_tensor", "the agreed SIGTERM stop"),
     (lambda: CalledIn(training_epoch_loop._TrainingEpochLoop.advance), "_broadcast_sigterm_tensor",
      "the agreed SIGTERM stop"),
+    (lambda: training_epoch_loop._TrainingEpochLoop, "_num_ready_batches_reached",
+     "a plateau scheduler stepped before the epoch's checkpoint"),
     (lambda: signal_connector, "_SignalConnector", "the agreed SIGTERM stop"),
     (lambda: signal_connector._SignalConnector, "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
     (lambda: CalledIn(signal_connector._SignalConnector.register_signal_handlers), "_sigterm_notifier_fn",
@@ -372,6 +374,12 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
 
 
 check_private_names()
+
+
+def epoch_ran_to_end(trainer: Trainer) -> bool:
+    """Whether the training epoch that is ending ran all its batches: Lightning's own test before it steps a
+    plateau scheduler (a stop at ``max_steps`` mid-epoch does not step one)."""
+    return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
 
 
 # -- a checkpoint's optimizer-step counters, automatic and manual optimization --------------------------
