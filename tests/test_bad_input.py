@@ -36,6 +36,19 @@ def test_unknown_option_is_rejected_by_hydra(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before Hydra made the run dir
 
 
+@pytest.mark.parametrize(("override", "message"), [
+    ("model.optimizer.lr=abc", "model.optimizer (Adam) refuses its settings"),
+    ("model.scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,factor:2}",
+     "model.scheduler (ReduceLROnPlateau) refuses its settings: Factor should be < 1.0"),
+])
+def test_an_optimizer_or_scheduler_setting_torch_refuses_is_one_line(tmp_path, override, message):
+    proc = run_entry("train", override, f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in error_line(proc)
+    assert len(proc.stderr.strip().splitlines()) == 1, "nothing else on stderr (no traceback, no Lightning lines)"
+    assert not (tmp_path / "run").exists(), "a refused run leaves no run directory"
+
+
 @pytest.mark.parametrize("batch", ["0", "-4"])
 def test_non_positive_batch_size(tmp_path, batch):
     proc = run_entry("train", f"data.batch_size={batch}", f"hydra.run.dir={tmp_path}/run")
