@@ -33,10 +33,12 @@ def takes_fused(factory: Callable[..., torch.optim.Optimizer]) -> bool:
     return accepts and not chosen
 
 
-def check_optimizer_settings(optimizer: Callable[..., torch.optim.Optimizer], scheduler: Callable[..., Any] | None) -> None:
+def check_optimizer_settings(optimizer: Callable[..., torch.optim.Optimizer] | None, scheduler: Callable[..., Any] | None) -> None:
     """Build the optimizer (and its scheduler) once on a stand-in parameter, so that a bad setting
     (``model.optimizer.lr=-1``, a string) is one line when the model is built, before any rank starts,
     instead of a traceback inside ``fit`` on every rank."""
+    if optimizer is None:  # a module that is only evaluated
+        return
     key = "model.optimizer"
     try:
         built = optimizer(params=[torch.nn.Parameter(torch.zeros(1))])
