@@ -77,6 +77,21 @@ def test_the_constructor_refuses_bad_settings(kwargs, message):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize(("max_staleness", "live_lr"), [(None, 0.005), (0, 0.01)], ids=["async", "sync"])
+def test_a_servers_checkpoint_keeps_the_scheduled_learning_rate(max_staleness, live_lr):
+    """Asynchronous, a push is 1/W of the global batch and the live step takes lr/W; the checkpoint keeps the
+    schedule's lr, or every resume would divide it by W again."""
+    from src.strategies.ps.server import ParameterServer
+
+    net = torch.nn.Linear(2, 1)
+    server = ParameterServer(list(net.parameters()), torch.optim.Adam(net.parameters(), lr=0.01), [], 2,
+                             max_staleness, torch.device("cpu"))
+    server._step()
+    assert server.optimizer.param_groups[0]["lr"] == live_lr
+    assert server.optimizer_state()["param_groups"][0]["lr"] == 0.01
+
+
+@pytest.mark.fast
 def test_sync_batchnorm_reaches_ps_and_is_refused():
     """ps is not Lightning's DDP, yet the Trainer still hands it the SyncBatchNorm plugin, which it refuses."""
     import lightning as L

@@ -280,9 +280,14 @@ class ParameterServer:
                 b.copy_(value)
 
     def optimizer_state(self) -> dict[str, Any]:
-        """The optimizer's state dict (this server's parameters only), copied under the lock."""
+        """The optimizer's state dict (this server's parameters only), copied under the lock, with the schedule's
+        group settings: the live optimizer's learning rate is 1/W of it when asynchronous, and a resume loads
+        these settings into the schedule."""
         with self.cond:
-            return copy.deepcopy(self.optimizer.state_dict())
+            state = copy.deepcopy(self.optimizer.state_dict())
+            for saved, scheduled in zip(state["param_groups"], self.schedule.param_groups, strict=True):
+                saved.update(copy.deepcopy({k: v for k, v in scheduled.items() if k not in _GROUP_SKIP}))
+            return state
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Load a whole-model optimizer state dict and keep this server's parameters' entries only."""
