@@ -37,9 +37,9 @@ def test_unknown_option_is_rejected_by_hydra(tmp_path):
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("model.optimizer.lr=abc", "model.optimizer (Adam) refuses its settings"),
+    ("model.optimizer.lr=abc", "model.optimizer is invalid: torch.optim.Adam says"),
     ("model.scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,factor:2}",
-     "model.scheduler (ReduceLROnPlateau) refuses its settings: Factor should be < 1.0"),
+     "model.scheduler is invalid: torch.optim.lr_scheduler.ReduceLROnPlateau says 'Factor should be < 1.0.'"),
 ])
 def test_an_optimizer_or_scheduler_setting_torch_refuses_is_one_line(tmp_path, override, message):
     proc = run_entry("train", override, f"hydra.run.dir={tmp_path}/run")

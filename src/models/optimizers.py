@@ -11,11 +11,9 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 
-from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
@@ -31,25 +29,6 @@ def takes_fused(factory: Callable[..., torch.optim.Optimizer]) -> bool:
     except (TypeError, ValueError):
         return False
     return accepts and not chosen
-
-
-def check_optimizer_settings(optimizer: Callable[..., torch.optim.Optimizer] | None, scheduler: Callable[..., Any] | None) -> None:
-    """Build the optimizer (and its scheduler) once on a stand-in parameter, so that a bad setting
-    (``model.optimizer.lr=-1``, a string) is one line when the model is built, before any rank starts,
-    instead of a traceback inside ``fit`` on every rank."""
-    if optimizer is None:  # a module that is only evaluated
-        return
-    key = "model.optimizer"
-    try:
-        built = optimizer(params=[torch.nn.Parameter(torch.zeros(1))])
-        if scheduler is not None:
-            key = "model.scheduler"
-            scheduler(optimizer=built)
-    except (TypeError, ValueError) as err:
-        factory = optimizer if key == "model.optimizer" else scheduler
-        name = getattr(getattr(factory, "func", factory), "__name__", key)
-        raise ConfigError(f"{key} ({name}) refuses its settings: {' '.join(str(err).split())}; fix: correct the "
-                          f"value given in {key}.* (configs/model/)") from None
 
 
 def build_optimizer(factory: Callable[..., torch.optim.Optimizer], params: Iterable[torch.nn.Parameter],

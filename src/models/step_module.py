@@ -21,7 +21,7 @@ from lightning import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from src.models.optimizers import build_optimizer, check_optimizer_settings
+from src.models.optimizers import build_optimizer
 from src.models.owned_step import OwnedStep
 from src.utils import lightning_compat as compat
 from src.utils.seeding import rank_seed
@@ -85,7 +85,6 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         # `net` is in the state dict already, and the optimizer/scheduler partials are code, not data.
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
         self.net = net
-        check_optimizer_settings(optimizer, scheduler)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.net_compiled = False

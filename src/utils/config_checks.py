@@ -9,6 +9,7 @@ global-batch rule before any rank starts.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
@@ -25,7 +26,7 @@ _GPU_NAMES = ("gpu", "cuda")
 def check_config(cfg: DictConfig) -> None:
     """Everything the composed config alone can show, before any object is built."""
     check_model_data_pair(cfg)
-    check_optimizer(cfg.model.get("optimizer"))
+    check_optimizer(cfg.model.get("optimizer"), scheduler_cfg=cfg.model.get("scheduler"))
     check_trainer_config(cfg.trainer)
 
 
@@ -81,11 +82,13 @@ def _strategy_option(trainer_cfg: DictConfig, key: str):
     return strategy.get(key) if isinstance(strategy, DictConfig) else None
 
 
-def check_optimizer(optimizer_cfg: DictConfig | None, where: str = "model.optimizer") -> None:
-    """Values torch's optimizers reject at their construction, inside every rank, after the launch.
+def check_optimizer(optimizer_cfg: DictConfig | None, where: str = "model.optimizer",
+                    scheduler_cfg: DictConfig | None = None) -> None:
+    """Values torch's optimizers and schedulers reject at their construction, inside every rank, after the launch.
 
-    Negative ``lr``/``weight_decay``/``momentum``/``eps`` are named here; a ``torch.optim`` optimizer is
-    then built once on a dummy parameter, so any other value it rejects (e.g. ``betas``) fails now too.
+    Negative ``lr``/``weight_decay``/``momentum``/``eps`` are named here; a ``torch.optim`` optimizer (and its
+    ``torch.optim.lr_scheduler`` scheduler) is then built once on a dummy parameter, so any other value they
+    reject (``betas``, a string for a number, a plateau ``factor`` of 2) fails now too.
     """
     if not isinstance(optimizer_cfg, DictConfig):
         return
@@ -96,18 +99,31 @@ def check_optimizer(optimizer_cfg: DictConfig | None, where: str = "model.optimi
                 f"{where}.{key}={value} must be >= 0; fix: set a non-negative value, "
                 f"e.g. {where}.{key}={_EXAMPLES[key]}"
             )
-    target = str(optimizer_cfg.get("_target_", ""))
-    if not target.startswith("torch.optim.") or not optimizer_cfg.get("_partial_", False):
+    if not _plain_torch_partial(optimizer_cfg, "torch.optim."):
         return  # built elsewhere, or not a plain torch optimizer: no trial construction
+    optimizer = _try_build(optimizer_cfg, where, params=[torch.zeros(1, requires_grad=True)])
+    if optimizer is not None and isinstance(scheduler_cfg, DictConfig) and _plain_torch_partial(scheduler_cfg, "torch.optim.lr_scheduler."):
+        _try_build(scheduler_cfg, where.replace("optimizer", "scheduler"), optimizer=optimizer)
+
+
+def _plain_torch_partial(cfg: DictConfig, prefix: str) -> bool:
+    return str(cfg.get("_target_", "")).startswith(prefix) and bool(cfg.get("_partial_", False))
+
+
+def _try_build(cfg: DictConfig, where: str, **arguments: Any) -> Any:
+    """``instantiate(cfg)(**arguments)``; a value torch rejects is one line naming ``where``."""
+    target = cfg.get("_target_")
     try:
-        factory = hydra.utils.instantiate(optimizer_cfg)
-        factory([torch.zeros(1, requires_grad=True)])
-    except ValueError as err:  # torch's own checks of the values
-        raise ConfigError(
-            f"{where} is invalid: {target} says {str(err).strip()!r}; fix: correct that value in {where}"
-        ) from None
+        factory = hydra.utils.instantiate(cfg)
+    except Exception:  # shows up, with its own message, where it is built
+        return None
+    try:
+        return factory(**arguments)
+    except (TypeError, ValueError) as err:  # torch's own checks of the values (a string where a number goes)
+        raise ConfigError(f"{where} is invalid: {target} says {' '.join(str(err).split())!r}; fix: correct that "
+                          f"value in {where}") from None
     except Exception:  # anything else shows up, with its own message, where it is built
-        return
+        return None
 
 
 _EXAMPLES = {"lr": 0.001, "weight_decay": 0.0, "momentum": 0.9, "eps": 1e-08}
