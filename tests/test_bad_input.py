@@ -38,10 +38,12 @@ def test_unknown_option_is_rejected_by_hydra(tmp_path):
 
 @pytest.mark.parametrize(("override", "message"), [
     ("model.optimizer.lr=abc", "model.optimizer is invalid: torch.optim.Adam says"),
+    ("trainer.max_epochs=-3", "trainer.max_epochs=-3 must be >= 0, or -1 for no limit"),
+    ("data.num_workers=-1", "data.num_workers=-1 must be 0 or more"),
     ("model.scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,factor:2}",
      "model.scheduler is invalid: torch.optim.lr_scheduler.ReduceLROnPlateau says 'Factor should be < 1.0.'"),
 ])
-def test_an_optimizer_or_scheduler_setting_torch_refuses_is_one_line(tmp_path, override, message):
+def test_a_value_torch_or_lightning_refuses_later_is_one_line_now(tmp_path, override, message):
     proc = run_entry("train", override, f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in error_line(proc)

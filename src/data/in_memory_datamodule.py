@@ -75,6 +75,9 @@ class InMemoryDataModule(LightningDataModule):
             raise ConfigError(f"data.on_device={on_device!r} is not true, false or auto; fix: set one of them (auto: on the GPU when it fits)")
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ConfigError(f"data.batch_size={batch_size!r} is not a positive integer; fix: set the global batch, e.g. data.batch_size=128")
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigError(f"data.num_workers={num_workers!r} must be 0 or more; fix: set data.num_workers=0 (the "
+                              "data is in memory: workers rarely help)")
         if val_size < 0:
             raise ConfigError(f"data.val_size={val_size} is negative; fix: set it to 0 or more")
         self.save_hyperparameters(logger=False)

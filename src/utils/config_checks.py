@@ -150,6 +150,10 @@ def check_trainer_numbers(trainer_cfg: DictConfig) -> None:
             value = trainer_cfg.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
                 raise ConfigError(f"trainer.{key}={value!r} must be {what}; fix: e.g. trainer.{key}={example}")
+    for key in ("max_epochs", "max_steps"):  # Lightning's own refusal comes inside Hydra's instantiate, exit 1
+        value = trainer_cfg.get(key)
+        if value is not None and value < -1:
+            raise ConfigError(f"trainer.{key}={value} must be >= 0, or -1 for no limit; fix: e.g. trainer.{key}=3")
 
 
 def check_trainer_config(trainer_cfg: DictConfig) -> None:
