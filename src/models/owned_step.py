@@ -56,7 +56,6 @@ class OwnedStep:
     scheduler_monitor: str  # the metric a ReduceLROnPlateau scheduler follows
     _owned_for: tuple[Any, bool] | None = None  # (trainer, owns): decided once per trainer
     _epoch_ran_to_end = False  # the last owned step was its epoch's last batch
-    _steps_plateau = False  # on_train_epoch_end is stepping the ReduceLROnPlateau schedulers
     _capture: StepCapture | None = None  # this fit's captured step (None: eager)
     step_capture_counts = (0, 0)  # (captures, replayed steps) of the last fit
 
@@ -152,16 +151,12 @@ class OwnedStep:
             if value is None:
                 raise ConfigError(f"ReduceLROnPlateau follows {monitor}, which was not logged; fix: "
                                   f"set scheduler_monitor to one of {sorted(trainer.callback_metrics)}")
-            self._steps_plateau = True
-            try:
-                self.lr_scheduler_step(config.scheduler, value)
-            finally:
-                self._steps_plateau = False
+            super().lr_scheduler_step(config.scheduler, value)  # Lightning's step, past the skip below
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         """Lightning's, less the epoch plateau step its loop takes after the epoch's checkpoint: taken before it,
         above."""
-        if isinstance(scheduler, ReduceLROnPlateau) and not self._steps_plateau and any(
+        if isinstance(scheduler, ReduceLROnPlateau) and any(
                 c.scheduler is scheduler and c.interval == "epoch" for c in self.trainer.lr_scheduler_configs):
             return
         super().lr_scheduler_step(scheduler, metric)

@@ -103,7 +103,7 @@ def check_optimizer(optimizer_cfg: DictConfig | None, where: str = "model.optimi
         return  # built elsewhere, or not a plain torch optimizer: no trial construction
     optimizer = _try_build(optimizer_cfg, where, params=[torch.zeros(1, requires_grad=True)])
     if optimizer is not None and isinstance(scheduler_cfg, DictConfig) and _plain_torch_partial(scheduler_cfg, "torch.optim.lr_scheduler."):
-        _try_build(scheduler_cfg, where.replace("optimizer", "scheduler"), optimizer=optimizer)
+        _try_build(scheduler_cfg, "model.scheduler", optimizer=optimizer)
 
 
 def _plain_torch_partial(cfg: DictConfig, prefix: str) -> bool:
