@@ -116,25 +116,29 @@ def test_a_killed_server_ends_the_job_in_one_line_and_the_same_command_resumes(t
 
 def test_a_worker_started_again_with_its_own_command_rejoins(tmp_path):
     """Kill -9 worker 0, then start its process again with the same command line and environment (what a
-    supervisor or a re-issued srun step does): the servers log it joining again, and it and the job exit 0."""
+    supervisor or a re-issued srun step does): the servers log it joining again, and it and the job exit 0.
+    Worker 1 is frozen (SIGSTOP) until the restart has joined, so the job cannot end before it on a loaded
+    machine; at the end the server answers both workers' last pushes with DONE before it exits."""
     run_dir = tmp_path / "run"
-    # steps slowed to 0.2 s: the job outlasts a restart on a loaded machine (at 0.1 s, a busy run could finish
-    # before the restarted worker joined)
     proc = launch(command("trainer=ps", "trainer.devices=3", *TOY, "data.batch_size=32", "++trainer.limit_train_batches=100",
-                          "test=false", *SLOW, "+callbacks.slow.delay_s=0.2", f"hydra.run.dir={run_dir}"))
+                          "test=false", *SLOW, "+callbacks.slow.delay_s=0.05", f"hydra.run.dir={run_dir}"))
     pids = wait_for_joins(run_dir / "train.log", 2, proc)
-    victim = psutil.Process(pids[0])
+    victim, other = psutil.Process(pids[0]), psutil.Process(pids[1])
     cmdline, env, cwd = victim.cmdline(), victim.environ(), victim.cwd()
-    os.kill(victim.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while "left: its process is gone" not in (run_dir / "train.log").read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    restarted = subprocess.Popen(cmdline, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    other.suspend()
+    try:
+        os.kill(victim.pid, signal.SIGKILL)
+        restarted = subprocess.Popen(cmdline, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 90  # within the link timeout (120 s): the frozen worker stays a member
+        while " joined again " not in (run_dir / "train.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        other.resume()
     _, err = restarted.communicate(timeout=180)
     assert restarted.returncode == 0, err[-3000:]
     assert finish(proc, timeout=60) == 0, proc.stderr_text[-3000:]
     log = (run_dir / "train.log").read_text()
-    assert re.search(r"ps: worker 0, rank 1 \(host \S+, pid \d+\), joined again at step \d+", log), log[-3000:]
-    # worker 1 leaves logged; the restarted worker 0 may finish after the chief has closed the job (exit 0 above)
-    assert log.count("left: it finished") >= 1
+    assert re.search(rf"ps: worker 0, rank 1 \(host \S+, pid {victim.pid}\), left: its process is gone", log), log[-3000:]
+    assert re.search(rf"ps: worker 0, rank 1 \(host \S+, pid {restarted.pid}\), joined again at step \d+", log), log[-3000:]
+    assert log.count("left: it finished") == 2, log[-3000:]  # both workers got DONE; none saw the server vanish
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 100

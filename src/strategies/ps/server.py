@@ -302,3 +302,9 @@ class ParameterServer:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+
+    def wait_workers_left(self, timeout_s: float) -> bool:
+        """After :meth:`close`: block until every live worker has left (each learns DONE at its next push and
+        says goodbye), or ``timeout_s`` passes. A server that exits first would look dead to them."""
+        with self.cond:
+            return self.cond.wait_for(lambda: not self.members, timeout=timeout_s)

@@ -517,6 +517,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
                 while self.links.done is None and not (self.links.failed or self.links.store_lost):
                     time.sleep(POLL_S)
             self.server.close()
+            self.server.wait_workers_left(self.link_timeout.total_seconds())
         elif self.client is not None:
             self.client.leave()
 
