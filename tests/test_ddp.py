@@ -289,3 +289,19 @@ def test_torchrun_one_node(tmp_path):
     assert len(runs) == 1 and "torchrun" in runs[0].name  # both ranks chose the same directory
     assert (runs[0] / "checkpoints" / "last.ckpt").is_file()
     assert "[rank 1]" in (runs[0] / "train.log").read_text()
+
+
+@pytest.mark.fast
+def test_a_child_rank_runs_the_parents_job_settings(tmp_path):
+    """A child rank's command keeps the job's Hydra settings (chdir, env_set) and the task's overrides, and takes
+    the parent's run dir, job name and RUN mode in place of the parent's own."""
+    from src.strategies.launchers import child_command
+
+    compose_cfg("train", ["trainer=ddp", "hydra.job.chdir=true", "+hydra.job.env_set.FOO=1", "hydra.run.dir=elsewhere",
+                          "hydra.job.name=mine"], tmp_path)
+    command, cwd = child_command(1)
+    assert {"hydra.job.chdir=true", "+hydra.job.env_set.FOO=1", "trainer=ddp"} <= set(command)
+    assert "hydra.run.dir=elsewhere" not in command and command.count("hydra.job.name=mine") == 1
+    assert command[-4:] == [f'hydra.run.dir="{tmp_path}"', "hydra.job.name=mine", "hydra.output_subdir=null",
+                            "hydra.mode=RUN"]
+    assert cwd == str(ROOT)

@@ -148,9 +148,10 @@ class PSSubprocessLauncher(PreflightSubprocessLauncher):
 
 
 # -- the command of a child rank under Hydra -------------------------------------------------------------
-# Hydra overrides that describe the parent's sweep, not the job a child must join.
-_PARENT_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.job.", "hydra.output_subdir",
-                "hydra/sweeper", "hydra/launcher", "hydra.sweeper", "hydra.launcher")
+# Hydra overrides that describe the parent's sweep or that child_command sets itself, not the job a child must
+# join. The job's other settings (hydra.job.chdir, hydra.job.env_set...) pass on: every rank runs the same job.
+_PARENT_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.job.name", "hydra.job.id", "hydra.job.num",
+                "hydra.output_subdir", "hydra/sweeper", "hydra/launcher", "hydra.sweeper", "hydra.launcher")
 
 
 def child_command(local_rank: int) -> tuple[list[str], str]:
