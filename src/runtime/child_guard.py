@@ -19,11 +19,14 @@ import threading
 import time
 
 GRACE_S = 10.0  # the watchdog names a dead rank within about 1 s, a frozen one after hang_timeout_s
+# A rank that stopped on a stop signal exits 128 + its number after the agreed checkpoint (src.runtime.sigterm):
+# not a failure. Rank 0 may then need longer than the grace to requeue the job (scontrol, submitit's pickle).
+STOPPED = frozenset(128 + s for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2))
 
 
 def guard_child_ranks(children: list[subprocess.Popen], grace_s: float = GRACE_S, poll_s: float = 0.5) -> None:
-    """Watch ``children`` from a daemon thread: ``grace_s`` after one exits non-zero, SIGKILL the others
-    and this process."""
+    """Watch ``children`` from a daemon thread: ``grace_s`` after one fails (exits non-zero, and not after a stop
+    signal), SIGKILL the others and this process."""
     threading.Thread(target=_guard, args=(children, grace_s, poll_s), name="child-rank-guard", daemon=True).start()
 
 
@@ -31,9 +34,9 @@ def _guard(children: list[subprocess.Popen], grace_s: float, poll_s: float) -> N
     failed_at = None
     while True:
         codes = [child.poll() for child in children]
-        if all(code == 0 for code in codes):
+        if all(code == 0 or code in STOPPED for code in codes):
             return
-        if failed_at is None and any(codes):
+        if failed_at is None and any(code and code not in STOPPED for code in codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at >= grace_s:
             for child in children:
