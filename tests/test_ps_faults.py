@@ -1,6 +1,7 @@
 """``trainer=ps`` under faults, with real processes over gloo on loopback: a worker killed mid-epoch leaves and the
 job finishes as planned; a server killed ends the job with one line naming it, and the same command resumes; a
-worker started again with its own command joins the running job.
+server given SIGTERM stops the job with last.ckpt saved, and the same command resumes; a worker started again
+with its own command joins the running job.
 
 The victim's pid comes from the chief's log (``ps: worker 1, rank 2 (host h, pid 123), joined at step 0``); a
 test-only delay per step (:class:`src.callbacks.slow_rank.SlowRank`) keeps the job running while it is hit.
@@ -110,6 +111,37 @@ def test_a_killed_server_ends_the_job_in_one_line_and_the_same_command_resumes(t
     again = launch(args)
     assert finish(again, timeout=180) == 0, again.stderr_text[-3000:]
     assert run_dirs(tmp_path) == [run_dir]  # the same run, continued
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 120
+    assert "status: finished" in (run_dir / "status.yaml").read_text()
+
+
+def test_sigterm_to_a_server_saves_and_stops_every_rank_and_the_same_command_resumes(tmp_path):
+    """2 servers + 2 workers; SIGTERM to server 1 (rank 1) after a checkpoint. The server asks the chief, which
+    saves last.ckpt at its next step; the job exits 143 with status ``preempted``, and the same command resumes
+    from there to the planned end. (Lightning's own per-batch stop check needs a process group ps has not got.)"""
+    args = command("trainer=ps", "trainer.devices=4", "trainer.strategy.num_servers=2", *TOY_RUN, "data.batch_size=32",
+                   "trainer.max_epochs=3", "++trainer.limit_train_batches=40", "test=false",
+                   "last_ckpt_every_n_train_steps=5", *SLOW, "+callbacks.slow.delay_s=0.02", f"paths.log_dir={tmp_path}")
+    proc = launch(args)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not any(
+            (d / "checkpoints" / "last.ckpt").is_file() for d in run_dirs(tmp_path)):
+        time.sleep(0.05)
+    (run_dir,) = run_dirs(tmp_path)
+    server = next(c for c in psutil.Process(proc.pid).children()
+                  if "LOCAL_RANK" in c.environ() and c.environ()["LOCAL_RANK"] == "1")
+    os.kill(server.pid, signal.SIGTERM)
+    assert finish(proc, timeout=60) == 128 + signal.SIGTERM, proc.stderr_text[-3000:]
+    assert "Traceback" not in proc.stderr_text
+    status = (run_dir / "status.yaml").read_text()
+    assert "status: preempted" in status and "SIGTERM" in status, status
+    assert "SIGTERM: every rank stopped at" in (run_dir / "train.log").read_text()
+    stopped_at = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert 5 <= stopped_at < 120, stopped_at
+
+    again = launch(args)
+    assert finish(again, timeout=180) == 0, again.stderr_text[-3000:]
+    assert run_dirs(tmp_path) == [run_dir]
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 120
     assert "status: finished" in (run_dir / "status.yaml").read_text()
 

@@ -371,11 +371,19 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
 
     # -- steps --------------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_stop_signals()
         if self.server is None:
             if self.client is not None:
                 self._batch_size = extract_batch_size(args[0])
             return super().training_step(*args, **kwargs)
         return self._server_step()
+
+    def _check_stop_signals(self) -> None:
+        """Before each batch's work, on every rank: Lightning runs its per-batch stop check only under a process
+        group, which ps has not got. The chief also takes up a stop that a server asked for."""
+        if self.is_chief:
+            self._stop.signum = max(self._stop.signum, self.links.stop_signal)
+        self._stop()
 
     def _server_step(self) -> Tensor:
         """One step of a server's clock: wait for one global batch's worth of updates, log what they were."""
@@ -403,7 +411,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
                                   f"{self.link_timeout.total_seconds():g} s", fallback_reporter=True)
         signum = max(self._stop.signum, links.stop_signal if self.is_chief else 0)
         if signum:
-            self._stop.signum = signum  # the per-batch check before the next batch stops the job
+            self._stop.signum = signum  # the stop check before the next batch stops the job
             return True
         if links.done is not None:
             trainer.should_stop = True
