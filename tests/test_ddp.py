@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +188,9 @@ def test_ddp_spawn_names_the_rank_that_failed_not_its_healthy_peer(tmp_path):
     assert "RuntimeError: the failure of rank 1" in proc.stderr
     assert "rank 0: stopping because another rank failed" in proc.stderr
     assert "Connection closed by peer" not in proc.stderr  # the healthy rank's gloo error is not the report
+    (log,) = (tmp_path / "train" / "runs").glob("*/train.log")  # spawned ranks log where the parent does
+    assert re.search(r"\[rank 0\].* - data replica 0/2", log.read_text()), log.read_text()[-3000:]
+    assert re.search(r"\[rank 1\].* - data replica 1/2", log.read_text())
 
 
 def launch_ranks(envs: list[dict], per_rank_args, params_dir: Path) -> list[dict]:

@@ -18,6 +18,7 @@ A one-node run also gets a file rendezvous on loopback (:mod:`src.runtime.local_
 from __future__ import annotations
 
 import contextlib
+import logging.config
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -112,23 +113,37 @@ class PreflightSubprocessLauncher(compat.SubprocessScriptLauncher):
 
 
 class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
-    """Lightning's spawn launcher: checks the run first, in the parent, before any rank starts; a rank that
-    lost its peer stops quietly (:class:`StopsQuietlyOnPeerFailure`), so the parent reports the failed rank."""
+    """Lightning's spawn launcher: checks the run first, in the parent, before any rank starts; each rank logs
+    where the parent logs, and a rank that lost its peer stops quietly (:class:`SpawnedRank`)."""
 
     def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         _preflight_launch(trainer, args, fresh_store=True)
         with _local_store_for_this_launch():
-            return super().launch(StopsQuietlyOnPeerFailure(function), *args, trainer=trainer, **kwargs)
+            return super().launch(SpawnedRank(function, _job_logging()), *args, trainer=trainer, **kwargs)
 
 
-class StopsQuietlyOnPeerFailure:
-    """A spawned rank's work: when a collective lost its peer, one quiet line and a wait for the parent, which
-    then names the rank that failed (torch's spawn reports the first rank to exit with an error)."""
+def _job_logging() -> dict[str, Any] | None:
+    """This Hydra job's logging config, resolved (console and ``<run dir>/<task>.log``); None outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
-    def __init__(self, function: Callable) -> None:
-        self.function = function
+    if not HydraConfig.initialized():
+        return None
+    return OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True)
+
+
+class SpawnedRank:
+    """A spawned rank's work. A spawned process starts with no logging set up, so it first takes the parent's
+    Hydra job logging (its lines reach the console and the run's log file, tagged with its rank). When a
+    collective lost its peer: one quiet line and a wait for the parent, which then names the rank that failed
+    (torch's spawn reports the first rank to exit with an error)."""
+
+    def __init__(self, function: Callable, job_logging: dict[str, Any] | None) -> None:
+        self.function, self.job_logging = function, job_logging
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.job_logging is not None:
+            logging.config.dictConfig(self.job_logging)
         try:
             return self.function(*args, **kwargs)
         except Exception as err:
