@@ -62,6 +62,23 @@ def test_sigterm_saves_exits_143_and_the_same_command_resumes_bit_exact(tmp_path
     assert not differing_weights(one_process_reference, run_dir)
 
 
+def test_ctrl_c_is_recorded_as_interrupted_and_the_same_command_resumes(tmp_path, one_process_reference):
+    """Ctrl-C (SIGINT): Lightning's own shutdown, exit 1; ``status.yaml`` says ``interrupted`` where it stopped,
+    not ``failed``, and the same command resumes from the last periodic ``last.ckpt`` to an uninterrupted
+    run's weights."""
+    proc = start(tmp_path)
+    signal_once_training(proc, tmp_path, signal.SIGINT)
+    assert finish(proc) == 1, proc.stderr_text[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    assert re.search(r"status: interrupted\ndetail: \"Ctrl-C \(KeyboardInterrupt\) at epoch \d+, global step \d+\"",
+                     status_of(run_dir)), status_of(run_dir)
+
+    again = start(tmp_path)
+    assert finish(again) == 0, again.stderr_text[-3000:]
+    assert run_dirs(tmp_path) == [run_dir] and "status: finished" in status_of(run_dir)
+    assert not differing_weights(one_process_reference, run_dir)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigterm_to_one_rank_stops_both_at_one_batch_and_resumes_bit_exact(tmp_path, reference_runs, strategy):
     launch = [f"trainer={strategy}", "trainer.devices=2"]

@@ -1,4 +1,5 @@
-"""``<run dir>/status.yaml``: whether a run is running, finished, pruned, preempted, failed or died, and where it stopped.
+"""``<run dir>/status.yaml``: whether a run is running, finished, pruned, preempted, interrupted, failed or died, and
+where it stopped.
 
 ``finished`` means the whole task is done (fit, then test when ``test=true``), and the file then holds
 the run's metrics and the overrides it was started with: a relaunch of that command (a SLURM requeue,
@@ -34,6 +35,7 @@ STATUS_FILE = "status.yaml"
 CHECKPOINT_DIR = "checkpoints"  # <run dir>/checkpoints: every fit of the run saves there
 LAST_CHECKPOINT = Path(CHECKPOINT_DIR) / "last.ckpt"  # a file, or trainer=fsdp's folder of shards
 RUNNING, FINISHED, PREEMPTED, FAILED, DIED = "running", "finished", "preempted", "failed", "died"
+INTERRUPTED = "interrupted"  # Ctrl-C
 PRUNED = "pruned"  # a search's trial that its pruner stopped early (src/callbacks/optuna_pruning.py)
 ENDED = (FINISHED, PRUNED)  # runs that ended as they should: nothing to resume
 
@@ -153,7 +155,7 @@ class RunStatus:
 @contextlib.contextmanager
 def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> Iterator[RunStatus]:
     """Around the whole task (fit, then test): ``running``, then ``finished`` with the task's metrics and
-    ``overrides``, ``preempted`` (a stop signal) or ``failed`` (any error).
+    ``overrides``, ``preempted`` (a stop signal), ``interrupted`` (Ctrl-C) or ``failed`` (any other error).
 
     A callback that ended the run early on purpose says how in its ``ended_run_as`` (status, detail).
     """
@@ -169,9 +171,16 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
             preempted = isinstance(err, SIGTERMException) or getattr(err, "preempted", False)
             where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
             stage = "" if trainer.state.fn in (None, "fit") else f" during {trainer.state.fn}"
-            detail = f"{err} at {where}" if preempted else f"{type(err).__name__}{stage} at {where}: {err}"
+            # Lightning answers Ctrl-C with sys.exit(1) inside its KeyboardInterrupt handler
+            interrupted = isinstance(err, KeyboardInterrupt) or isinstance(err.__context__, KeyboardInterrupt)
+            if preempted:
+                status, detail = PREEMPTED, f"{err} at {where}"
+            elif interrupted:
+                status, detail = INTERRUPTED, f"Ctrl-C (KeyboardInterrupt){stage} at {where}"
+            else:
+                status, detail = FAILED, f"{type(err).__name__}{stage} at {where}: {err}"
             with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
-                write_status(run_dir, PREEMPTED if preempted else FAILED, detail)
+                write_status(run_dir, status, detail)
         raise
     if trainer.is_global_zero:
         ended = next((c.ended_run_as for c in trainer.callbacks if isinstance(c, EndsRunAs) and c.ended_run_as), None)
