@@ -1,7 +1,7 @@
 """``trainer=ps`` under faults, with real processes over gloo on loopback: a worker killed mid-epoch leaves and the
 job finishes as planned; a server killed ends the job with one line naming it, and the same command resumes; a
-server given SIGTERM stops the job with last.ckpt saved, and the same command resumes; a worker started again
-with its own command joins the running job.
+server given SIGTERM stops the job with last.ckpt saved, and the same command resumes; a frozen worker that wakes
+and a worker started again with its own command join the running job.
 
 The victim's pid comes from the chief's log (``ps: worker 1, rank 2 (host h, pid 123), joined at step 0``); a
 test-only delay per step (:class:`src.callbacks.slow_rank.SlowRank`) keeps the job running while it is hit.
@@ -144,6 +144,32 @@ def test_sigterm_to_a_server_saves_and_stops_every_rank_and_the_same_command_res
     assert run_dirs(tmp_path) == [run_dir]
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 120
     assert "status: finished" in (run_dir / "status.yaml").read_text()
+
+
+def test_a_frozen_worker_that_wakes_joins_again(tmp_path):
+    """SIGSTOP worker 1 past ``link_timeout_s``: the server drops it (``stopped responding``); SIGCONT, and it
+    finds its link closed, sees in the store that a server dropped it (not that a server died), joins again
+    and finishes with the job, exit 0."""
+    run_dir = tmp_path / "run"
+    proc = launch(command("trainer=ps", "trainer.devices=3", *TOY, "data.batch_size=32", "++trainer.limit_train_batches=100",
+                          "test=false", "trainer.strategy.link_timeout_s=3", *SLOW, "+callbacks.slow.delay_s=0.1",
+                          f"hydra.run.dir={run_dir}"))
+    pids = wait_for_joins(run_dir / "train.log", 2, proc)
+    sleeper = psutil.Process(pids[1])
+    sleeper.suspend()
+    try:
+        deadline = time.monotonic() + 30
+        while "left: it stopped responding" not in (run_dir / "train.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        sleeper.resume()
+    assert finish(proc, timeout=120) == 0, proc.stderr_text[-3000:]
+    assert "error:" not in proc.stderr_text, proc.stderr_text[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert re.search(rf"worker 1, rank 2 \(host \S+, pid {sleeper.pid}\), left: it stopped responding for 3 s", log), log[-3000:]
+    assert re.search(rf"worker 1, rank 2 \(host \S+, pid {sleeper.pid}\), joined again at step \d+", log), log[-3000:]
+    assert log.count("left: it finished") == 2, log[-3000:]
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 100
 
 
 def test_a_worker_started_again_with_its_own_command_rejoins(tmp_path):

@@ -103,7 +103,13 @@ class ServerClient:
             _fill(self.buffers_out, self.buffers, self.buffers)
         payloads = [self._sent(s) for s in range(len(self.shards))]
         heads = [header(PUSH, self.worker, self.incarnation, loss_sum, samples, v) for v in self.version]
-        if self._exchange(heads, payloads) == EVICTED:  # a server dropped this worker as frozen: join again
+        try:
+            status = self._exchange(heads, payloads)
+        except ServerLost:
+            if not self.jobs.was_dropped(self.worker, self.incarnation):
+                raise
+            status = EVICTED  # this worker froze and woke: the server closed its link, and is alive
+        if status == EVICTED:  # a server dropped this worker as frozen: join again (this push is lost)
             self.leave()
             self.join()
 

@@ -71,6 +71,18 @@ class JobStore:
             info = {}
         return f"rank {rank} (host {info.get('host', '?')}, pid {info.get('pid', '?')})"
 
+    # -- workers a server dropped -------------------------------------------------------------------
+    def mark_dropped(self, worker: int, incarnation: int) -> None:
+        """A server closed this incarnation's link (it froze, or its link failed)."""
+        self.store.set(self.key("dropped", worker, incarnation), "1")
+
+    def was_dropped(self, worker: int, incarnation: int) -> bool:
+        """Whether a server dropped this incarnation: its link failed because of that, not because a server died."""
+        try:
+            return self.get("dropped", worker, incarnation) is not None
+        except Exception:  # the store's host (the chief) is gone
+            return False
+
     # -- the end of the job ------------------------------------------------------------------------
     def request_stop(self, signum: int) -> None:
         """A server got a stop signal: the chief saves and ends the job at its next step."""

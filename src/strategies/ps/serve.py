@@ -113,6 +113,8 @@ class ServerLinks:
                     break
         except Exception as err:
             reason = why_it_left(err, self.timeout)
+            with contextlib.suppress(Exception):  # a frozen worker that wakes reads this and joins again
+                self.jobs.mark_dropped(worker, incarnation)
         finally:
             if reason:
                 server.leave(worker, incarnation, reason)
