@@ -3,6 +3,9 @@ whatever ``callbacks`` holds: what a requeue resumes and what eval and export re
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -45,3 +48,19 @@ def test_max_steps_shorter_than_an_epoch_validates_its_last_step(make_cfg, model
     assert best["global_step"] == 4
     (owner,) = [cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)]
     assert torch.load(owner.path, weights_only=True)["global_step"] == 4
+
+
+def test_max_time_mid_epoch_validates_and_saves_its_last_step(make_cfg):
+    """``max_time`` (Lightning's Timer) stops a run, mid-epoch as a rule: the last step is validated (its
+    validation row is logged), ``last.ckpt`` holds it, and early stopping has its metric."""
+    cfg = make_cfg("train", ["model=toy", "data=toy", "trainer.max_epochs=1000", "+trainer.max_time=00:00:00:02",
+                             "test=false", "callbacks.early_stopping.patience=10000"])
+    metrics, objects = train(cfg)
+    trainer = objects["trainer"]
+    assert 0 < trainer.global_step < 1000 * trainer.num_training_batches  # the timer, not max_epochs, ended it
+    assert trainer.early_stopping_callback.monitor in metrics
+    (owner,) = [cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)]
+    assert torch.load(owner.path, weights_only=True)["global_step"] == trainer.global_step
+    (log,) = Path(cfg.paths.output_dir).rglob("metrics.csv")
+    validated = [int(row["step"]) for row in csv.DictReader(log.open()) if row.get("val/loss")]
+    assert validated[-1] == trainer.global_step - 1, (validated[-3:], trainer.global_step)  # logged at the step's index
