@@ -229,11 +229,11 @@ def test_a_slow_worker_does_not_set_the_pace(tmp_path):
 
 @pytest.mark.slow
 def test_a_worker_mid_step_at_the_end_gets_done_not_a_dead_server(tmp_path):
-    """One worker sleeps 3 s per step, the other 0.02 s: the fast one applies the planned updates while the slow
+    """One worker sleeps 5 s per step, the other 0.02 s: the fast one applies the planned updates while the slow
     one is mid-step. The server waits for the slow worker's last push and answers DONE before it exits, so both
     workers leave as finished and the job exits 0 (a server that exited first would look dead to it)."""
     proc = train_run(tmp_path / "run", *TOY, "trainer.devices=3", "trainer=ps", "++trainer.limit_train_batches=30",
-                     "test=false", *SLOW, "+callbacks.slow.delay_s=0.02", "+callbacks.slow.factor=150",
+                     "test=false", *SLOW, "+callbacks.slow.delay_s=0.02", "+callbacks.slow.factor=250",
                      "+callbacks.slow.slow_ranks=[2]")
     log = (tmp_path / "run" / "train.log").read_text()
     assert log.count("left: it finished") == 2, log[-3000:]

@@ -105,10 +105,10 @@ class ServerClient:
         heads = [header(PUSH, self.worker, self.incarnation, loss_sum, samples, v) for v in self.version]
         try:
             status = self._exchange(heads, payloads)
-        except ServerLost:
-            if not self.jobs.was_dropped(self.worker, self.incarnation):
-                raise
-            status = EVICTED  # this worker froze and woke: the server closed its link, and is alive
+        except ServerLost as lost:
+            if self.jobs.ended() is not None or not self.jobs.was_dropped(lost.server, self.worker, self.incarnation):
+                raise  # the job ended meanwhile, or that server died
+            status = EVICTED  # this worker froze and woke: that server closed its link, and is alive
         if status == EVICTED:  # a server dropped this worker as frozen: join again (this push is lost)
             self.leave()
             self.join()

@@ -72,14 +72,14 @@ class JobStore:
         return f"rank {rank} (host {info.get('host', '?')}, pid {info.get('pid', '?')})"
 
     # -- workers a server dropped -------------------------------------------------------------------
-    def mark_dropped(self, worker: int, incarnation: int) -> None:
-        """A server closed this incarnation's link (it froze, or its link failed)."""
-        self.store.set(self.key("dropped", worker, incarnation), "1")
+    def mark_dropped(self, server: int, worker: int, incarnation: int) -> None:
+        """``server`` closed this incarnation's link (it froze, or its link failed)."""
+        self.store.set(self.key("dropped", server, worker, incarnation), "1")
 
-    def was_dropped(self, worker: int, incarnation: int) -> bool:
-        """Whether a server dropped this incarnation: its link failed because of that, not because a server died."""
+    def was_dropped(self, server: int, worker: int, incarnation: int) -> bool:
+        """Whether ``server`` dropped this incarnation: its link failed because of that, not because it died."""
         try:
-            return self.get("dropped", worker, incarnation) is not None
+            return self.get("dropped", server, worker, incarnation) is not None
         except Exception:  # the store's host (the chief) is gone
             return False
 
@@ -98,6 +98,13 @@ class JobStore:
 
     def finished(self) -> str | None:
         return self.get("done")
+
+    def ended(self) -> str | None:
+        """How the chief ended the job, or None while it runs or when the store cannot say (its host is gone)."""
+        try:
+            return self.finished()
+        except Exception:
+            return None
 
     def claim_report(self) -> bool:
         """True for the first rank to report a failure: it prints the job's one line, the others stay quiet."""

@@ -24,7 +24,7 @@ STORE_GRACE_S = 10.0  # the store may be briefly busy; only a lasting silence me
 def why_it_left(err: BaseException, timeout: dt.timedelta) -> str:
     """A worker's link failed: what that says about the worker, in a few words."""
     text = str(err)
-    if "Timed out" in text or "timed out" in text:
+    if any(s in text for s in ("Timed out", "timed out", "Wait timeout")):
         return f"left: it stopped responding for {timeout.total_seconds():g} s"
     if any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe")):
         return "left: its process is gone"
@@ -114,7 +114,7 @@ class ServerLinks:
         except Exception as err:
             reason = why_it_left(err, self.timeout)
             with contextlib.suppress(Exception):  # a frozen worker that wakes reads this and joins again
-                self.jobs.mark_dropped(worker, incarnation)
+                self.jobs.mark_dropped(self.index, worker, incarnation)
         finally:
             if reason:
                 server.leave(worker, incarnation, reason)

@@ -88,7 +88,6 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
             ends the job, and servers left with no worker this long end it too (``None``: the collective
             ``timeout``, 10 minutes by default). It must exceed the longest wait for a round. (ps runs no
             heartbeat watchdog, so ddp's ``hang_timeout_s`` is refused here.)
-        sigterm_check_every_n_batches: how often a rank looks at its stop note (no collective: 1 is cheap).
         timeout: how long a rank waits at the rendezvous store (``timedelta`` or seconds; ``None``: 10 min).
         start_method, process_group_backend: accepted for the configs' sake; only ``popen`` and gloo links run.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as Lightning's.
@@ -100,8 +99,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
     random_state_per_rank = False  # updates depend on when pushes arrive: a resumed run cannot replay bit-exact
 
     def __init__(self, num_servers: int = 1, max_staleness: int | None = None, server_device: str = "auto",
-                 link_timeout_s: float | None = 120.0, sigterm_check_every_n_batches: int = 1,
-                 timeout: dt.timedelta | float | None = None, start_method: str = "popen",
+                 link_timeout_s: float | None = 120.0, timeout: dt.timedelta | float | None = None, start_method: str = "popen",
                  process_group_backend: str | None = None, accelerator: pl.accelerators.Accelerator | None = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any | None = None,
                  checkpoint_io: Any | None = None, precision_plugin: pl.plugins.Precision | None = None,
@@ -133,7 +131,8 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
                          precision_plugin=precision_plugin)
         self._num_nodes = 1
         compat.accept_sync_batchnorm(self)  # so that sync_batchnorm=true reaches the pre-flight, which refuses it
-        self.init_process_life(sigterm_check_every_n_batches, None,  # no heartbeat watchdog: links time out
+        # every batch: no collective, each rank reads its own stop note; no heartbeat watchdog: links time out
+        self.init_process_life(1, None,
                                collective_timeout(timeout), process_group_backend)
         self.jobs: JobStore | None = None
         self.server: ParameterServer | None = None
@@ -368,6 +367,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
                 self.client.join()
             except ServerLost as lost:
                 self._server_failed(lost)
+                self._worker_ends()  # started after the job ended
 
     # -- steps --------------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -380,10 +380,12 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
 
     def _check_stop_signals(self) -> None:
         """Before each batch's work, on every rank: Lightning runs its per-batch stop check only under a process
-        group, which ps has not got. The chief also takes up a stop that a server asked for."""
+        group, which ps has not got. No rank waits for another to agree, so a noted signal acts at once (a
+        server's clock must not count steps it skipped). The chief also takes up a stop a server asked for."""
         if self.is_chief:
             self._stop.signum = max(self._stop.signum, self.links.stop_signal)
-        self._stop()
+        if self._stop.signum:
+            self._on_stop_signal(self.lightning_module.trainer, self._stop.signum)
 
     def _server_step(self) -> Tensor:
         """One step of a server's clock: wait for one global batch's worth of updates, log what they were."""
@@ -411,7 +413,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
                                   f"{self.link_timeout.total_seconds():g} s", fallback_reporter=True)
         signum = max(self._stop.signum, links.stop_signal if self.is_chief else 0)
         if signum:
-            self._stop.signum = signum  # the stop check before the next batch stops the job
+            self._stop.signum = signum  # the stop check before the next batch stops this rank
             return True
         if links.done is not None:
             trainer.should_stop = True
@@ -429,13 +431,28 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
         try:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
         except ServerLost as lost:
-            self._server_failed(lost)  # ends this process
-            raise
+            self._server_failed(lost)  # returns only when the job had ended: the servers are gone on purpose
+            out = None
         if self.client is not None and self.client.done:
-            self.lightning_module.trainer.should_stop = True
+            self._worker_ends()
         return out
 
+    def _worker_ends(self) -> None:
+        """A server answered DONE, or the job had ended: stop as the job did (a stop signal: exit 128 + it)."""
+        trainer = self.lightning_module.trainer
+        self.client.done = trainer.should_stop = True
+        ended = self.jobs.ended()
+        if ended is not None and ended.startswith("stopped "):
+            self.client.leave()
+            compat.mark_sigterm_received(trainer)
+            raise Preempted(int(ended.split()[1]))
+
     def _server_failed(self, lost: ServerLost) -> None:
+        """A worker lost a server's link: if the job had ended, end with it; otherwise the server died (one line,
+        exit)."""
+        if self.jobs.ended() is not None:
+            self.client.done = True
+            return
         what = why_it_left(lost.__cause__ or lost, self.link_timeout).removeprefix("left: ")
         what = "died" if "gone" in what else what.replace("it stopped", "stopped")
         first_worker = self.roles.worker_index(self.global_rank) == 0
@@ -530,8 +547,12 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
             self.client.leave()
 
     def on_exception(self, exception: BaseException) -> None:
+        stopped = isinstance(exception, Preempted)
         if self.is_chief and self.jobs is not None:
-            self.jobs.finish("stopped" if isinstance(exception, Preempted) else "failed")
+            self.jobs.finish(f"stopped {exception.code - 128}" if stopped else "failed")
+        if stopped and self.server is not None:  # the workers learn of the stop at their next push, and leave
+            self.server.close()
+            self.server.wait_workers_left(self.link_timeout.total_seconds())
         self._release()
         super().on_exception(exception)
 
