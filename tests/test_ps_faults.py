@@ -137,7 +137,9 @@ def test_sigterm_to_a_server_saves_and_stops_every_rank_and_the_same_command_res
     assert "Traceback" not in proc.stderr_text and "error:" not in proc.stderr_text, proc.stderr_text[-3000:]
     status = (run_dir / "status.yaml").read_text()
     assert "status: preempted" in status and "SIGTERM" in status, status
-    assert "SIGTERM: every rank stopped at" in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "SIGTERM: every rank stopped at" in log
+    assert log.count("left: it stopped on SIGTERM") == 2, log[-3000:]  # both workers, as the chief's log says
     stopped_at = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 5 <= stopped_at < 120, stopped_at
 

@@ -147,11 +147,12 @@ class ServerClient:
             for b, value in zip(self.buffers, shaped_views(self.buffers_in, self.buffers), strict=True):
                 b.copy_(value)
 
-    def leave(self) -> None:
-        """Tell every server this incarnation is done (best effort: a server may be gone already)."""
+    def leave(self, signum: int = 0) -> None:
+        """Tell every server this incarnation is done, stopped by signal ``signum`` if not 0 (best effort: a
+        server may be gone already)."""
         for link in self.links:
             try:
-                for work in link.send(header(LEAVE, self.worker, self.incarnation)):
+                for work in link.send(header(LEAVE, self.worker, self.incarnation, signum)):
                     work.wait()
             except Exception:  # noqa: S112 - leaving a server that is gone needs nothing more
                 continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import signal
 import threading
 import time
 
@@ -94,6 +95,8 @@ class ServerLinks:
                 link.recv(hdr)
                 kind = int(hdr[0])
                 if kind == LEAVE:
+                    if int(hdr[3]):
+                        reason = f"left: it stopped on {signal.Signals(int(hdr[3])).name}"
                     break
                 if kind == JOIN:
                     status, clock = OK, server.join(worker, incarnation, self.start_timeout.total_seconds()).clock

@@ -443,9 +443,10 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
         self.client.done = trainer.should_stop = True
         ended = self.jobs.ended()
         if ended is not None and ended.startswith("stopped "):
-            self.client.leave()
+            signum = int(ended.split()[1])
+            self.client.leave(signum)
             compat.mark_sigterm_received(trainer)
-            raise Preempted(int(ended.split()[1]))
+            raise Preempted(signum)
 
     def _server_failed(self, lost: ServerLost) -> None:
         """A worker lost a server's link: if the job had ended, end with it; otherwise the server died (one line,
@@ -461,7 +462,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
 
     # -- stop signals -------------------------------------------------------------------------------
     def _on_stop_signal(self, trainer: pl.Trainer, signum: int) -> None:
-        """The per-batch stop check fired on this rank (see the module docstring)."""
+        """A stop signal noted on this rank, or on the chief asked for by a server (see the module docstring)."""
         if self.is_chief:
             stop_for_preemption(trainer, signum)  # saves last.ckpt, raises; on_exception tells the others
         if self.is_server:
@@ -469,7 +470,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
             while self.links.done is None and not (self.links.failed or self.links.store_lost):
                 time.sleep(POLL_S)  # keep serving: the chief reads this server's share for last.ckpt
         elif self.client is not None:
-            self.client.leave()
+            self.client.leave(signum)
         compat.mark_sigterm_received(trainer)
         raise Preempted(signum)
 
