@@ -131,9 +131,8 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
                          precision_plugin=precision_plugin)
         self._num_nodes = 1
         compat.accept_sync_batchnorm(self)  # so that sync_batchnorm=true reaches the pre-flight, which refuses it
-        # every batch: no collective, each rank reads its own stop note; no heartbeat watchdog: links time out
-        self.init_process_life(1, None,
-                               collective_timeout(timeout), process_group_backend)
+        # a stop note acts at the next batch (no collective to agree on); no heartbeat watchdog: links time out
+        self.init_process_life(1, None, collective_timeout(timeout), process_group_backend)
         self.jobs: JobStore | None = None
         self.server: ParameterServer | None = None
         self.links: ServerLinks | None = None
