@@ -1,7 +1,8 @@
 """``trainer=ps`` under faults, with real processes over gloo on loopback: a worker killed mid-epoch leaves and the
 job finishes as planned; a server killed ends the job with one line naming it, and the same command resumes; a
 server given SIGTERM stops the job with last.ckpt saved, and the same command resumes; a frozen worker that wakes
-and a worker started again with its own command join the running job.
+and a worker started again with its own command join the running job; a worker stuck in its step does not
+outlive the job.
 
 The victim's pid comes from the chief's log (``ps: worker 1, rank 2 (host h, pid 123), joined at step 0``); a
 test-only delay per step (:class:`src.callbacks.slow_rank.SlowRank`) keeps the job running while it is hit.
@@ -120,7 +121,7 @@ def test_sigterm_to_a_server_saves_and_stops_every_rank_and_the_same_command_res
     saves last.ckpt at its next step; the job exits 143 with status ``preempted``, and the same command resumes
     from there to the planned end. (Lightning's own per-batch stop check needs a process group ps has not got.)"""
     args = command("trainer=ps", "trainer.devices=4", "trainer.strategy.num_servers=2", *TOY_RUN, "data.batch_size=32",
-                   "trainer.max_epochs=3", "++trainer.limit_train_batches=40", "test=false",
+                   "trainer.max_epochs=2", "++trainer.limit_train_batches=40", "test=false",
                    "last_ckpt_every_n_train_steps=5", *SLOW, "+callbacks.slow.delay_s=0.02", "+callbacks.slow.factor=50",
                    "+callbacks.slow.slow_ranks=[3]", f"paths.log_dir={tmp_path}")
     proc = launch(args)
@@ -141,12 +142,12 @@ def test_sigterm_to_a_server_saves_and_stops_every_rank_and_the_same_command_res
     assert "SIGTERM: every rank stopped at" in log
     assert log.count("left: it stopped on SIGTERM") == 2, log[-3000:]  # both workers, as the chief's log says
     stopped_at = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-    assert 5 <= stopped_at < 120, stopped_at
+    assert 5 <= stopped_at < 80, stopped_at
 
     again = launch(args)
     assert finish(again, timeout=180) == 0, again.stderr_text[-3000:]
     assert run_dirs(tmp_path) == [run_dir]
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 120
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 80
     assert "status: finished" in (run_dir / "status.yaml").read_text()
 
 
@@ -156,8 +157,8 @@ def test_a_frozen_worker_that_wakes_joins_again_and_one_that_wakes_after_the_end
     Freeze it once more until the job has ended: woken then, it sees the job finished and exits without an
     error line (not a dead server, and no wait of ``link_timeout_s`` to rejoin a job that is gone)."""
     run_dir = tmp_path / "run"
-    proc = launch(command("trainer=ps", "trainer.devices=3", *TOY, "data.batch_size=32", "++trainer.limit_train_batches=100",
-                          "test=false", "trainer.strategy.link_timeout_s=6", *SLOW, "+callbacks.slow.delay_s=0.1",
+    proc = launch(command("trainer=ps", "trainer.devices=3", *TOY, "data.batch_size=32", "++trainer.limit_train_batches=80",
+                          "test=false", "trainer.strategy.link_timeout_s=4", *SLOW, "+callbacks.slow.delay_s=0.1",
                           f"hydra.run.dir={run_dir}"))
     pids = wait_for_joins(run_dir / "train.log", 2, proc)
     sleeper = psutil.Process(pids[1])
@@ -183,9 +184,9 @@ def test_a_frozen_worker_that_wakes_joins_again_and_one_that_wakes_after_the_end
     assert finish(proc) == 0, proc.stderr_text[-3000:]  # the stderr file now holds the woken worker's lines too
     assert "error:" not in proc.stderr_text and "another rank failed" not in proc.stderr_text, proc.stderr_text[-3000:]
     text = log()
-    assert re.search(rf"worker 1, rank 2 \(host \S+, pid {sleeper.pid}\), left: it stopped responding for 6 s", text), text[-3000:]
+    assert re.search(rf"worker 1, rank 2 \(host \S+, pid {sleeper.pid}\), left: it stopped responding for 4 s", text), text[-3000:]
     assert re.search(rf"worker 1, rank 2 \(host \S+, pid {sleeper.pid}\), joined again at step \d+", text), text[-3000:]
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 100
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 80
 
 
 def test_a_worker_started_again_with_its_own_command_rejoins(tmp_path):
@@ -216,3 +217,24 @@ def test_a_worker_started_again_with_its_own_command_rejoins(tmp_path):
     assert re.search(rf"ps: worker 0, rank 1 \(host \S+, pid {restarted.pid}\), joined again at step \d+", log), log[-3000:]
     assert log.count("left: it finished") == 2, log[-3000:]  # both workers got DONE; none saw the server vanish
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 100
+
+
+def test_a_worker_stuck_in_its_step_is_dropped_and_exits_once_the_job_ended(tmp_path):
+    """Worker 1's main thread blocks in a C call (its threads live). The server drops it after ``link_timeout_s``,
+    the job ends exit 0 with the other worker, and the stuck process does not outlive the job for long: its end
+    watch says so in one line and exits with the job's code (an srun step or torchrun agent would wait for it)."""
+    run_dir = tmp_path / "run"
+    proc = launch(command("trainer=ps", "trainer.devices=3", *TOY, "data.batch_size=32", "++trainer.limit_train_batches=40",
+                          "test=false", "trainer.strategy.link_timeout_s=4", *SLOW, "+callbacks.slow.delay_s=0.05",
+                          "+callbacks.stuck._target_=tests.helpers.stuck_rank.StuckRank", "+callbacks.stuck.rank=2",
+                          "+callbacks.stuck.at_step=3", "+callbacks.stuck.how=call", f"hydra.run.dir={run_dir}"))
+    proc.wait(timeout=120)
+    stuck = int((run_dir / "stuck").read_text())
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(stuck) and psutil.Process(stuck).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the stuck worker outlived the job by 30 s"
+        time.sleep(0.2)
+    assert finish(proc) == 0, proc.stderr_text[-3000:]
+    assert re.search(r"worker 1, rank 2 \(host \S+, pid \d+\), left: it stopped responding for 4 s", (run_dir / "train.log").read_text())
+    assert "rank 2: the job ended (finished) 4 s ago and this worker is still in its step (stuck); it exits now" in proc.stderr_text
+    assert "error:" not in proc.stderr_text, proc.stderr_text[-3000:]

@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -109,6 +110,48 @@ class JobStore:
     def claim_report(self) -> bool:
         """True for the first rank to report a failure: it prints the job's one line, the others stay quiet."""
         return self.add("failed") == 1
+
+
+def stopped_by(how: str | None) -> int:
+    """The signal a job that ended ``how`` (:meth:`JobStore.finish`) was stopped by; 0 if none."""
+    return int(how.split()[1]) if how is not None and how.startswith("stopped ") else 0
+
+
+class EndWatch:
+    """A worker's last resort: a thread that ends this process once the job has ended and the worker has not.
+
+    A worker whose main thread is stuck (a deadlocked data loader, a hung C call) is dropped by the servers and
+    the job ends without it, but its process would live on and hold its node: an ``srun`` step or a torchrun
+    agent waits for every task. Once the store says the job ended (or has been unreachable) for ``grace_s``,
+    the thread prints one line and exits with the job's code. A worker that ends normally stops the watch.
+    """
+
+    POLL_S = 1.0
+
+    def __init__(self, jobs: JobStore, rank: int, grace_s: float) -> None:
+        self.jobs, self.rank, self.grace_s = jobs, rank, grace_s
+        self.stopping = threading.Event()
+        threading.Thread(target=self._run, name="ps-end-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _run(self) -> None:
+        ended_at = None
+        while not self.stopping.wait(self.POLL_S):
+            try:
+                how = self.jobs.finished()
+            except Exception:  # the store's host (the chief) is gone: the job is over
+                how = "its store is gone"
+            if how is None:
+                ended_at = None  # running (after a passing store error, too)
+                continue
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at >= self.grace_s and not self.stopping.is_set():
+                print(f"rank {self.rank}: the job ended ({how}) {self.grace_s:g} s ago and this worker is still in its "
+                      "step (stuck); it exits now", file=sys.stderr, flush=True)
+                signum = stopped_by(how)
+                os._exit(0 if how == "finished" else 128 + signum if signum else EXIT_FAILED)  # the job's own code
 
 
 def end_job_after_failure(jobs: JobStore | None, rank: int, what: str, fallback_reporter: bool) -> None:

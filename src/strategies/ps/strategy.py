@@ -56,7 +56,7 @@ from src.strategies.launchers import PSSubprocessLauncher
 from src.strategies.options import refuse_foreign_options
 from src.strategies.process_life import ProcessLife, collective_timeout, positive_seconds
 from src.strategies.ps.client import PushPullOptimizer, ServerClient, ServerLost, read_server
-from src.strategies.ps.coordination import JobStore, end_job_after_failure
+from src.strategies.ps.coordination import EndWatch, JobStore, end_job_after_failure, stopped_by
 from src.strategies.ps.layout import CHIEF, Roles, shard_by_size
 from src.strategies.ps.serve import ServerLinks, why_it_left
 from src.strategies.ps.server import ParameterServer, shaped_views
@@ -136,6 +136,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
         self.jobs: JobStore | None = None
         self.server: ParameterServer | None = None
         self.links: ServerLinks | None = None
+        self._end_watch: EndWatch | None = None
         self.client: ServerClient | None = None
         self._stop: SigtermSync | None = None
         self._shards: list[list[torch.nn.Parameter]] = []
@@ -337,6 +338,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
         else:
             self.client = ServerClient(self.jobs, roles.worker_index(self.global_rank), self._shards, buffers,
                                        self.link_timeout, self.collective_timeout)
+            self._end_watch = EndWatch(self.jobs, self.global_rank, self.link_timeout.total_seconds())
             self.optimizers = [PushPullOptimizer(self.optimizers[0], self.client, lambda: self._batch_size)]
             self.lr_scheduler_configs = []  # the servers keep the schedule
         self._stop = install_stop_handlers(trainer, self.sigterm_check_every_n_batches, self._on_stop_signal)
@@ -440,9 +442,8 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
         """A server answered DONE, or the job had ended: stop as the job did (a stop signal: exit 128 + it)."""
         trainer = self.lightning_module.trainer
         self.client.done = trainer.should_stop = True
-        ended = self.jobs.ended()
-        if ended is not None and ended.startswith("stopped "):
-            signum = int(ended.split()[1])
+        signum = stopped_by(self.jobs.ended())
+        if signum:
             self.client.leave(signum)
             compat.mark_sigterm_received(trainer)
             raise Preempted(signum)
@@ -568,8 +569,11 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
             self.server.close()
         if self.links is not None:
             self.links.stop()
-        self.server = self.links = self.client = None
+        if self._end_watch is not None:
+            self._end_watch.stop()
+        self.server = self.links = self.client = self._end_watch = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "jobs": None, "server": None, "links": None, "client": None}
+        return {**super().__getstate__(), "jobs": None, "server": None, "links": None, "client": None,
+                "_end_watch": None}
 
