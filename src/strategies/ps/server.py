@@ -297,14 +297,11 @@ class ParameterServer:
             for p in [p for p in self.optimizer.state if id(p) not in held]:
                 del self.optimizer.state[p]
 
-    def close(self) -> None:
-        """No more updates; every waiting worker gets DONE."""
+    def close(self, wait_for_workers_s: float = 0.0) -> None:
+        """No more updates; every waiting worker gets DONE. With ``wait_for_workers_s``, block until every live
+        worker has left (each learns DONE at its next push and says goodbye), or that long: a server that
+        exits first would look dead to them."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
-
-    def wait_workers_left(self, timeout_s: float) -> bool:
-        """After :meth:`close`: block until every live worker has left (each learns DONE at its next push and
-        says goodbye), or ``timeout_s`` passes. A server that exits first would look dead to them."""
-        with self.cond:
-            return self.cond.wait_for(lambda: not self.members, timeout=timeout_s)
+            self.cond.wait_for(lambda: not self.members, timeout=wait_for_workers_s)

@@ -542,8 +542,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
             else:  # keep serving until the chief has read this server's share for its last checkpoint
                 while self.links.done is None and not (self.links.failed or self.links.store_lost):
                     time.sleep(POLL_S)
-            self.server.close()
-            self.server.wait_workers_left(self.link_timeout.total_seconds())
+            self.server.close(wait_for_workers_s=self.link_timeout.total_seconds())
         elif self.client is not None:
             self.client.leave()
 
@@ -552,8 +551,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
         if self.is_chief and self.jobs is not None:
             self.jobs.finish(f"stopped {exception.code - 128}" if stopped else "failed")
         if stopped and self.server is not None:  # the workers learn of the stop at their next push, and leave
-            self.server.close()
-            self.server.wait_workers_left(self.link_timeout.total_seconds())
+            self.server.close(wait_for_workers_s=self.link_timeout.total_seconds())
         self._release()
         super().on_exception(exception)
 
