@@ -52,6 +52,19 @@ def wait_for_joins(log: Path, count: int, proc: subprocess.Popen, timeout: float
     raise AssertionError(f"only {log.read_text().count(' joined') if log.is_file() else 0} of {count} workers joined")
 
 
+def start_and_find_server_1(args: list[str], log_dir: Path) -> tuple[subprocess.Popen, Path, psutil.Process]:
+    """Launch a 2-server job; once its first last.ckpt is written: the launch, its run dir and server 1 (rank 1)."""
+    proc = launch(args)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not any(
+            (d / "checkpoints" / "last.ckpt").is_file() for d in run_dirs(log_dir)):
+        time.sleep(0.05)
+    (run_dir,) = run_dirs(log_dir)
+    server = next(c for c in psutil.Process(proc.pid).children()
+                  if "LOCAL_RANK" in c.environ() and c.environ()["LOCAL_RANK"] == "1")
+    return proc, run_dir, server
+
+
 def logged(run_dir: Path, name: str) -> float:
     """The last value of metric ``name`` in the run's CSV log."""
     (metrics,) = run_dir.rglob("metrics.csv")
@@ -91,14 +104,7 @@ def test_a_killed_server_ends_the_job_in_one_line_and_the_same_command_resumes(t
                    "trainer.max_epochs=3", "++trainer.limit_train_batches=40", "test=false",
                    "trainer.strategy.link_timeout_s=10", "last_ckpt_every_n_train_steps=5", *SLOW, "+callbacks.slow.delay_s=0.02",
                    f"paths.log_dir={tmp_path}")
-    proc = launch(args)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None and not any(
-            (d / "checkpoints" / "last.ckpt").is_file() for d in run_dirs(tmp_path)):
-        time.sleep(0.05)
-    (run_dir,) = run_dirs(tmp_path)
-    server = next(c for c in psutil.Process(proc.pid).children()
-                  if "LOCAL_RANK" in c.environ() and c.environ()["LOCAL_RANK"] == "1")
+    proc, run_dir, server = start_and_find_server_1(args, tmp_path)
     os.kill(server.pid, signal.SIGKILL)
     code = finish(proc, timeout=60)
     assert code != 0
@@ -124,14 +130,7 @@ def test_sigterm_to_a_server_saves_and_stops_every_rank_and_the_same_command_res
                    "trainer.max_epochs=2", "++trainer.limit_train_batches=40", "test=false",
                    "last_ckpt_every_n_train_steps=5", *SLOW, "+callbacks.slow.delay_s=0.02", "+callbacks.slow.factor=50",
                    "+callbacks.slow.slow_ranks=[3]", f"paths.log_dir={tmp_path}")
-    proc = launch(args)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None and not any(
-            (d / "checkpoints" / "last.ckpt").is_file() for d in run_dirs(tmp_path)):
-        time.sleep(0.05)
-    (run_dir,) = run_dirs(tmp_path)
-    server = next(c for c in psutil.Process(proc.pid).children()
-                  if "LOCAL_RANK" in c.environ() and c.environ()["LOCAL_RANK"] == "1")
+    proc, run_dir, server = start_and_find_server_1(args, tmp_path)
     os.kill(server.pid, signal.SIGTERM)
     assert finish(proc, timeout=60) == 128 + signal.SIGTERM, proc.stderr_text[-3000:]
     # worker rank 3, 1 s per step, is mid-step at the stop: the servers wait for its push and tell it the job stopped
