@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,26 +56,12 @@ def _tensorboard_hparams(event_dir: Path) -> dict[str, object]:
 
 
 def _wandb_config(run_file: Path) -> dict[str, object]:
-    """The config records of an offline W&B run file (a LevelDB-style log of protobuf records)."""
-    from wandb.proto import wandb_internal_pb2
+    """The config records of an offline W&B run file."""
+    from src.loggers.wandb_records import item_key, records
 
-    data, block, header = run_file.read_bytes(), 32768, 7
-    assert data[:4] == b":W&B"
-    config, pos, parts = {}, header, b""
-    while pos + header <= len(data):
-        if block - pos % block < header:  # a block's tail too short for a record header is padding
-            pos += block - pos % block
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + header])
-        parts += data[pos + header:pos + header + length]
-        pos += header + length
-        if kind in (1, 4):  # a full record, or the last piece of one
-            record = wandb_internal_pb2.Record.FromString(parts)
-            parts = b""
-            if record.WhichOneof("record_type") == "config":
-                for item in record.config.update:
-                    config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-    return config
+    return {item_key(item): json.loads(item.value_json)
+            for record in records(run_file) if record.WhichOneof("record_type") == "config"
+            for item in record.config.update}
 
 
 @pytest.mark.slow
@@ -176,3 +163,55 @@ def test_a_new_csv_column_never_leaves_the_file_half_written(tmp_path, monkeypat
     with open(logger.metrics_file, newline="") as f:
         rows = list(csv_module.DictReader(f))
     assert [r["step"] for r in rows] == ["0", "1", "2", "3"] and rows[-1]["val/acc"] == "0.5"
+
+
+def test_a_wandb_log_cut_anywhere_reads_up_to_its_last_whole_point(tmp_path):
+    """A kill can cut W&B's transaction log anywhere, even in a record that spans blocks: the reader that tells a
+    resume what W&B holds gives back a prefix of the points, never an error, and nothing from a foreign file."""
+    pytest.importorskip("wandb")
+    from src.loggers.wandb_records import history_points, transaction_logs
+
+    script = "\n".join([
+        "import sys, wandb",
+        "run = wandb.init(mode='offline', dir=sys.argv[1], id='cut', project='p')",
+        "for step in range(600):",
+        "    run.log({'x': step * 0.5, 'pad': 'p' * (step % 257), 'trainer/global_step': step})",
+        "run.finish()"])
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env={**os.environ, "WANDB_SILENT": "true"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (log,) = transaction_logs(tmp_path / "wandb", "cut")
+    whole = list(history_points(log))
+    assert [p["trainer/global_step"] for p in whole] == list(range(600)) and whole[7]["x"] == 3.5
+    data, cut = log.read_bytes(), tmp_path / "cut.wandb"
+    assert len(data) > 3 * 32768  # records cross block boundaries
+    for size in [*range(0, len(data), len(data) // 20), *(k * 32768 + d for k in (1, 2) for d in (-8, -3, 0, 5))]:
+        cut.write_bytes(data[:size])
+        points = list(history_points(cut))
+        assert points == whole[:len(points)], size
+    cut.write_bytes(b"not a W&B log" + data[13:])
+    assert list(history_points(cut)) == []
+
+
+@pytest.mark.fast
+def test_a_resume_sends_each_point_a_logger_lacks_once_wherever_the_kill_and_the_checkpoint_fell():
+    """A logger holds a prefix of the points; the resume replays them from its checkpoint's step in the same
+    order (``epoch`` twice at an epoch's last step: training's and validation's epoch end). Held and sent
+    together are every point exactly once, for every cut and every replay start at or before it."""
+    from src.loggers.resumable import HeldPoints
+
+    calls = []  # (step, metrics) in the order Lightning logs them
+    for step in range(12):
+        calls.append((step, {"lr": 0.1 * step, "train/loss": 1.0 / (step + 1)}))
+        if step % 4 == 3:
+            calls += [(step, {"val/acc": step / 12, "epoch": step // 4}), (step, {"train/acc": 0.5, "epoch": step // 4})]
+    points = [(step, key, value) for step, metrics in calls for key, value in metrics.items()]
+    for cut in range(len(calls) + 1):
+        held_points = points[:sum(len(m) for _, m in calls[:cut])]
+        for resume_step in range(calls[cut - 1][0] + 1 if cut else 1):
+            held = HeldPoints()
+            for step, metrics in calls[:cut]:
+                held.add(metrics, step)
+            sent = [(step, key, value) for step, metrics in calls if step >= resume_step
+                    for key, value in held.unsent(metrics, step).items()]
+            assert sorted(held_points + sent) == sorted(points), (cut, resume_step)

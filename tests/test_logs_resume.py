@@ -3,8 +3,8 @@ an uninterrupted run's hold.
 
 CSV: every logged row once, the same rows and values (the throughput, ``perf/*``, is a wall-clock figure
 and left out). TensorBoard: one ``version_0``, and the scalars TensorBoard reads back (it hides the steps a
-resume replays) equal the uninterrupted run's. MLflow (file store): one run, each step once, its value equal.
-W&B (offline): every attempt writes under the run's own id. metrics.png is drawn from the CSV, whole.
+resume replays) equal the uninterrupted run's. MLflow (file store) and W&B (offline, every attempt under the
+run's own id): each step once, its value equal. metrics.png is drawn from the CSV, whole.
 """
 
 from __future__ import annotations
@@ -28,18 +28,25 @@ from tests.helpers.training_runs import finish, launch, run_dirs, wait_for_check
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
-# The deterministic MLP (dropout, augmentation), 2 epochs of 30 batches, last.ckpt every 7 steps: resumes land
+# The deterministic MLP (dropout, augmentation), 3 epochs of 30 batches, last.ckpt every 7 steps: resumes land
 # mid-epoch, where the epoch's running loss and accuracy must carry over. The learning rate is logged every
 # step, so each resume replays points every logger already holds.
-LOGS = ["model=mlp", "data=fashion_mnist", "data.augment=true", "trainer.max_epochs=2", "+trainer.limit_train_batches=30",
+LOGS = ["model=mlp", "data=fashion_mnist", "data.augment=true", "trainer.max_epochs=3", "+trainer.limit_train_batches=30",
         "+trainer.limit_val_batches=3", "test=false", "extras.print_config=false",
         "last_ckpt_every_n_train_steps=7", "logger=[csv,tensorboard,mlflow,wandb]",
         "callbacks.lr_monitor.logging_interval=step", "trainer.log_every_n_steps=1"]
 
 
+# W&B writes its transaction log every WANDB_FLUSH_S (15 s by default): a kill loses what it had not written.
+# Here it writes often enough that a kill, KILL_AFTER_SAVE_S after an attempt's first save, finds the saved
+# steps held; and each kill lands well before the run's end (a kill after it would start a new run).
+WANDB_FLUSH_S, KILL_AFTER_SAVE_S = 0.02, (0.1, 0.3)
+
+
 def train(log_dir: Path):
     return launch([sys.executable, str(ROOT / "src" / "train.py"), *LOGS, f"paths.log_dir={log_dir}",
-                   f"logger.mlflow.tracking_uri=file:{log_dir}/mlflow"], env={**os.environ, "WANDB_SILENT": "true"})
+                   f"logger.mlflow.tracking_uri=file:{log_dir}/mlflow"],
+                  env={**os.environ, "WANDB_SILENT": "true", "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL": str(WANDB_FLUSH_S)})
 
 
 def csv_rows(run: Path) -> list[dict[str, str]]:
@@ -71,12 +78,26 @@ def mlflow_metrics(log_dir: Path) -> dict[str, dict[int, list[float]]]:
     return {k: dict(v) for k, v in found.items()}
 
 
+def wandb_metrics(run: Path) -> dict[str, dict[int, list[float]]]:
+    """Every attempt's W&B points: key -> step -> every value logged at that step (offline transaction logs)."""
+    from src.loggers.wandb_records import STEP_KEY, history_points, transaction_logs
+
+    found: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for path in transaction_logs(run / "wandb", (run / ".run_id").read_text().strip()):
+        for point in history_points(path):
+            step = point.pop(STEP_KEY)
+            for key, value in point.items():
+                if not key.startswith("perf/"):
+                    found[key][step].append(value)
+    return {k: dict(v) for k, v in found.items()}
+
+
 def kill_twice_then_finish(log_dir: Path) -> Path:
     rng, kills = random.Random(21), 0
     while True:
         proc = train(log_dir)
         if kills < 2 and wait_for_checkpoint(proc, log_dir):
-            time.sleep(rng.uniform(0.0, 0.5))  # soon after a save: a later kill could miss a short resumed run
+            time.sleep(rng.uniform(*KILL_AFTER_SAVE_S))
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=60)
@@ -99,7 +120,7 @@ def test_every_logger_continues_one_series_across_kills(tmp_path):
 
     plot = MetricPlot()
     logged = {p: plot.logged(SimpleNamespace(loggers=[ResumableCSVLogger(str(p))])) for p in (run, expected)}
-    assert logged[run] == logged[expected] and set(logged[run]["train/loss"]) == {0, 1}  # the whole run
+    assert logged[run] == logged[expected] and set(logged[run]["train/loss"]) == {0, 1, 2}  # the whole run
     assert (run / "metrics.png").is_file()
 
     assert [p.name for p in (run / "tensorboard").iterdir()] == ["version_0"]
@@ -114,3 +135,8 @@ def test_every_logger_continues_one_series_across_kills(tmp_path):
     run_id = (run / ".run_id").read_text().strip()
     attempts = sorted((run / "wandb").glob("offline-run-*"))
     assert len(attempts) == 3 and all(p.name.endswith(f"-{run_id}") for p in attempts)
+    got, want = wandb_metrics(run), wandb_metrics(expected)
+    assert sorted(want["lr-Adam"]) == list(range(90))  # the reader finds every point of the uninterrupted run
+    assert got.keys() == want.keys()
+    for key in want:  # every step once across the attempts, with the uninterrupted run's value
+        assert got[key] == want[key], key

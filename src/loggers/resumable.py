@@ -16,12 +16,13 @@ is given the same id, and MLflow a new run unless it is given the run id. Here:
   TensorBoard's own restart marker (the ``SessionLog.START`` event that ``SummaryWriter(purge_step=)``
   writes): TensorBoard then hides the earlier events of that step and after.
 * :class:`ResumableMLFlowLogger` tags its run with the run's id (:func:`src.run.identity.ensure_run_uid`)
-  and continues the run of that tag, if an earlier attempt made one. It asks the tracking store for the
-  last step it holds of each metric, and does not send a replayed point again (MLflow has no way to replace
-  one: it would keep both).
-* W&B is given that id and ``resume: allow`` in ``configs/logger/wandb.yaml``. W&B keeps every point it
-  was sent: the replayed steps appear twice there, with the values of the uninterrupted run (the resume is
-  bit-exact). Offline, as in the tests, each attempt writes its own files and nothing can be asked.
+  and continues the run of that tag, if an earlier attempt made one. It asks the tracking store what it
+  holds of each metric (:class:`HeldPoints`), and does not send a replayed point again (MLflow has no way to
+  replace one: it would keep both).
+* :class:`ResumableWandbLogger` is given that id and ``resume: allow`` (``configs/logger/wandb.yaml``), so
+  every attempt logs into one W&B run. W&B too keeps every point it is sent, and offline there is no server
+  to ask: it reads what the earlier attempts' transaction logs hold (:mod:`src.loggers.wandb_records`) and
+  does not send a replayed point again.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import csv
 import os
 import warnings
 from argparse import Namespace
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from src.runtime.launch_context import launch_context
@@ -172,23 +173,81 @@ class ResumableMLFlowLogger(MLFlowLogger):
     def __init__(self, experiment_name: str = "lightning_logs", run_uid: str | None = None,
                  tags: dict[str, Any] | None = None, run_id: str | None = None, **kwargs: Any) -> None:
         tags = {**(tags or {}), **({RUN_TAG: run_uid} if run_uid else {})}
-        self._held: dict[str, int] = {}  # metric -> the last step the continued run holds
+        self._held = HeldPoints()
         self._key_prefix = f"{kwargs['prefix']}{self.LOGGER_JOIN_CHAR}" if kwargs.get("prefix") else ""
         if run_id is None and run_uid and launch_context().is_launching_process:  # only rank 0 logs
             # MLFlowLogger's own default: MLFLOW_TRACKING_URI, else a file store under save_dir
             uri = kwargs.get("tracking_uri", os.getenv("MLFLOW_TRACKING_URI")) or f"file:{kwargs.get('save_dir', './mlruns')}"
             run_id = earlier_mlflow_run(uri, experiment_name, run_uid)
             if run_id is not None:
-                self._held = last_steps_held(uri, run_id)
+                self._held = mlflow_points_held(uri, run_id)
         super().__init__(experiment_name=experiment_name, tags=tags, run_id=run_id, **kwargs)
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        if self._held and step is not None:  # a resume replays steps the run holds already: send each once
-            metrics = {k: v for k, v in metrics.items() if step > self._held.get(self._key_prefix + k, -1)}
-            if not metrics:
-                return
-        super().log_metrics(metrics, step)
+        metrics = self._held.unsent(metrics, step, self._key_prefix)
+        if metrics:
+            super().log_metrics(metrics, step)
+
+
+class ResumableWandbLogger(WandbLogger):
+    """Lightning's WandbLogger sending each point of a resumed run once: W&B keeps every point it is sent."""
+
+    def __init__(self, save_dir: str = ".", id: str | None = None, dir: str | None = None, prefix: str = "",
+                 **kwargs: Any) -> None:
+        super().__init__(save_dir=save_dir, id=id, dir=dir, prefix=prefix, **kwargs)
+        self._held = HeldPoints()
+        self._key_prefix = f"{prefix}{self.LOGGER_JOIN_CHAR}" if prefix else ""
+        if id and launch_context().is_launching_process:  # only rank 0 logs
+            from src.loggers.wandb_records import STEP_KEY, history_points, transaction_logs
+
+            for path in transaction_logs(Path(dir or save_dir) / "wandb", id):  # every earlier attempt, in order
+                for point in history_points(path):
+                    step = point.pop(STEP_KEY, None)
+                    if isinstance(step, (int, float)):
+                        self._held.add(point, int(step))
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        metrics = self._held.unsent(metrics, step, self._key_prefix)
+        if metrics:
+            super().log_metrics(metrics, step)
+
+
+class HeldPoints:
+    """What a logger's run holds of each metric: its last step, and how many points it has at that step (a
+    metric can be logged more than once at one step, e.g. ``epoch`` by the training and the validation epoch end).
+
+    A logger holds a prefix of each metric's points, and a resume replays them in the same order, so a replayed
+    point is held if its step is earlier than that last step, or it is one of the first ``count`` at that step.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[int, int]] = {}  # metric -> (last step held, points held at that step)
+
+    def add(self, metrics: Iterable[str], step: int) -> None:
+        """The run holds a point of each of ``metrics`` at ``step`` (points added in the order they were logged)."""
+        for key in metrics:
+            last, count = self._last.get(key, (-1, 0))
+            self._last[key] = (step, count + 1 if step == last else 1)
+
+    def unsent(self, metrics: Mapping[str, float], step: int | None, key_prefix: str = "") -> dict[str, float]:
+        """The points of ``metrics`` at ``step`` the run does not hold yet; each held one is counted off."""
+        if not self._last or step is None:
+            return dict(metrics)
+        out = {}
+        for name, value in metrics.items():
+            key = key_prefix + name
+            last, count = self._last.get(key, (-1, 0))
+            if step > last:
+                out[name] = value
+                self._last.pop(key, None)  # past what the run holds: every later point is new
+            elif step == last:
+                if count:
+                    self._last[key] = (last, count - 1)
+                else:
+                    out[name] = value
+        return out
 
 
 def earlier_mlflow_run(tracking_uri: str, experiment_name: str, run_uid: str) -> str | None:
@@ -203,10 +262,12 @@ def earlier_mlflow_run(tracking_uri: str, experiment_name: str, run_uid: str) ->
     return runs[0].info.run_id if runs else None
 
 
-def last_steps_held(tracking_uri: str, run_id: str) -> dict[str, int]:
-    """Each metric of MLflow run ``run_id`` -> the last step it holds."""
+def mlflow_points_held(tracking_uri: str, run_id: str) -> HeldPoints:
+    """What MLflow run ``run_id`` holds of each metric."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri)
-    return {key: max(m.step for m in client.get_metric_history(run_id, key))
-            for key in client.get_run(run_id).data.metrics}
+    client, held = MlflowClient(tracking_uri), HeldPoints()
+    for key in client.get_run(run_id).data.metrics:
+        for metric in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
+            held.add([key], metric.step)
+    return held
