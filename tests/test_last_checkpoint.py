@@ -4,12 +4,16 @@ whatever ``callbacks`` holds: what a requeue resumes and what eval and export re
 from __future__ import annotations
 
 import csv
+import shutil
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, TensorDataset
 
-from src.checkpointing.last_checkpoint import LastCheckpoint
+from src.checkpointing.last_checkpoint import LastCheckpoint, last_checkpoint_path
 from src.train import train
 
 pytestmark = pytest.mark.fast  # in-process toy fits, about a second each
@@ -64,3 +68,101 @@ def test_max_time_mid_epoch_validates_and_saves_its_last_step(make_cfg):
     (log,) = Path(cfg.paths.output_dir).rglob("metrics.csv")
     validated = [int(row["step"]) for row in csv.DictReader(log.open()) if row.get("val/loss")]
     assert validated[-1] == trainer.global_step - 1, (validated[-3:], trainer.global_step)  # logged at the step's index
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def _loader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(16, 2, generator=g), torch.randn(16, 1, generator=g)), batch_size=2)
+
+    train_dataloader = val_dataloader = _loader
+
+
+class _Validations(Callback):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.count += not trainer.sanity_checking
+
+
+class _KeepEverySave(LastCheckpoint):
+    """Keeps a copy of each ``last.ckpt`` it writes, with how many validations had run by then."""
+
+    def __init__(self, dirpath: Path, validations: _Validations) -> None:
+        super().__init__(dirpath, every_n_train_steps=4)
+        self.kept: list[tuple[Path, int]] = []
+        self._validations = validations
+
+    def save(self, trainer, final: bool = False) -> None:
+        step = self._saved_step
+        super().save(trainer, final)
+        if self._saved_step != step or final:
+            copy = self.path.with_name(f"save_{len(self.kept)}.ckpt")
+            shutil.copy(self.path, copy)
+            self.kept.append((copy, self._validations.count))
+
+
+def _fit(root: Path, ckpt_path: Path | None = None) -> tuple[_Validations, _KeepEverySave]:
+    validations = _Validations()
+    keep = _KeepEverySave(root / "checkpoints", validations)
+    trainer = L.Trainer(max_epochs=2, val_check_interval=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[keep, validations])
+    trainer.fit(_Tiny(), ckpt_path=ckpt_path)
+    return validations, keep
+
+
+def test_a_resume_from_any_last_ckpt_runs_every_validation_the_run_had_left(tmp_path):
+    """8 batches an epoch, validation every 4, last.ckpt every 4 steps: each periodic save falls on a batch
+    that a validation follows. Lightning skips a validation that was due at the batch a fit resumes from,
+    so a save before it would lose it (its metrics, early stopping, a plateau scheduler's step): the save
+    waits for it. Resumed from each ``last.ckpt`` the run wrote, the validations before and after add up."""
+    validations, keep = _fit(tmp_path / "whole")
+    assert validations.count == 4 and len(keep.kept) >= 4
+    for i, (path, before) in enumerate(keep.kept):
+        after, _ = _fit(tmp_path / f"resumed_{i}", ckpt_path=path)
+        assert before + after.count == validations.count, (path.name, before, after.count)
+
+
+class KeepLastCheckpointAfterStep5(Callback):
+    """Copies ``last.ckpt`` when step 6 starts: what a kill there would resume from."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 5 and trainer.current_epoch == 0:
+            path = last_checkpoint_path(trainer)
+            shutil.copy(path, path.with_name("after_step_5.ckpt"))
+
+
+def _rows(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "csv" / "version_0" / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in row.items() if v and not k.startswith("perf/")} for row in csv.DictReader(f)]
+
+
+def test_a_resume_after_a_mid_epoch_validation_logs_what_the_whole_run_logs(make_cfg):
+    """Validation every 5 of 10 batches and last.ckpt every 5 steps: the save at step 5 waits for the
+    validation after it and keeps the epoch's running training metrics. Resumed from it, the run logs
+    that epoch's training mean over all its batches, and every later row, as the uninterrupted run did."""
+    common = ["model=toy", "data=toy", "++trainer.limit_train_batches=10", "trainer.max_epochs=2", "test=false",
+              "+trainer.val_check_interval=5", "last_ckpt_every_n_train_steps=5"]
+    keep = "+callbacks.keep._target_=tests.test_last_checkpoint.KeepLastCheckpointAfterStep5"
+    _, objects = train(make_cfg("train", [*common, keep], subdir="whole"))
+    whole = Path(objects["trainer"].default_root_dir)
+    saved = last_checkpoint_path(objects["trainer"]).with_name("after_step_5.ckpt")
+    assert torch.load(saved, weights_only=False)["global_step"] == 5
+    _, objects = train(make_cfg("train", [*common, f"ckpt_path={saved}"], subdir="resumed"))
+    resumed = _rows(Path(objects["trainer"].default_root_dir))
+    expected = [row for row in _rows(whole) if int(row["step"]) >= 5]
+    assert any("train/loss" in row for row in resumed) and resumed == expected

@@ -4,7 +4,9 @@ Lightning 2.6's ModelCheckpoint writes ``last.ckpt`` at an epoch's end only when
 file at that step: a run whose metric stopped improving, or that ended on ``max_steps`` between two
 intervals, kept an older ``last.ckpt`` than its final state. :class:`LastCheckpoint` writes it every
 ``every_n_train_steps``, at the end of each training epoch (after its validation) and when ``fit``
-ends, whatever the monitored metric did, and saves nothing else.
+ends, whatever the monitored metric did, and saves nothing else. A periodic save never falls between a step
+and the validation due after it (a resume from there would skip that validation): it waits for the
+validation's end, and on an epoch's last batch for the epoch's end.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
 from src.run.status import CHECKPOINT_DIR
+from src.utils import lightning_compat as compat
 
 LAST_NAME = f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
 
@@ -29,6 +32,7 @@ class LastCheckpoint(ModelCheckpoint):
                          enable_version_counter=False)
         self.every_n_steps = every_n_train_steps
         self._saved_step = -1
+        self._after_validation = False  # a periodic save waits for the validation after its step
 
     @property
     def path(self) -> Path:
@@ -39,7 +43,15 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+        if not self.every_n_steps or trainer.global_step % self.every_n_steps:
+            return
+        # A save here, before the validation due after this batch, would make a resume skip that validation
+        # (Lightning fast-forwards it): save after it. The epoch's last batch is saved at the epoch's end.
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return
+        if compat.validation_follows(trainer):
+            self._after_validation = True
+        else:
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -49,7 +61,9 @@ class LastCheckpoint(ModelCheckpoint):
         self.save(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pass  # mid-epoch validation changes no weights: the step's own save covers it
+        if self._after_validation and not trainer.sanity_checking:  # the periodic save due before it
+            self._after_validation = False
+            self.save(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for logger in trainer.loggers:  # what the run logged is on disk before the checkpoint that ends it

@@ -134,9 +134,11 @@ class ResumeMetricState(Callback):
         self._saved_ranks: list[dict[str, Any]] | None = None  # every saved rank's states, on a world-size change
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        # during validation (an epoch-end save) the epoch's training metrics are complete: a resume from here
-        # starts the next epoch, and must not carry them into it
-        metrics = _resumable(pl_module, mid_epoch=not (trainer.validating or trainer.sanity_checking))
+        # at the epoch's last validation (a user's epoch-end save) the epoch's training metrics are complete: a
+        # resume from there starts the next epoch and must not carry them into it. A mid-epoch validation's
+        # save (last.ckpt waits for it) resumes within the epoch: they carry over.
+        epoch_end_validation = trainer.validating and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        metrics = _resumable(pl_module, mid_epoch=not (epoch_end_validation or trainer.sanity_checking))
         if not metrics:
             return
         mine = {name: {k: _to_cpu(v) for k, v in m.metric_state.items()} for name, m in metrics.items()}

@@ -22,7 +22,7 @@ from lightning.fabric.utilities import distributed as fabric_distributed
 from lightning.fabric.utilities import optimizer as fabric_optimizer
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.loops import training_epoch_loop
+from lightning.pytorch.loops import fit_loop, training_epoch_loop
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
 from lightning.pytorch.strategies.launchers import subprocess_script
@@ -115,6 +115,10 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
      "the agreed SIGTERM stop"),
     (lambda: training_epoch_loop._TrainingEpochLoop, "_num_ready_batches_reached",
      "a plateau scheduler stepped before the epoch's checkpoint"),
+    (lambda: training_epoch_loop._TrainingEpochLoop, "_should_check_val_fx",
+     "no periodic last.ckpt between a step and the validation due after it"),
+    (lambda: SetInInit(fit_loop._FitLoop), "_data_fetcher",
+     "no periodic last.ckpt between a step and the validation due after it"),
     (lambda: signal_connector, "_SignalConnector", "the agreed SIGTERM stop"),
     (lambda: signal_connector._SignalConnector, "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
     (lambda: CalledIn(signal_connector._SignalConnector.register_signal_handlers), "_sigterm_notifier_fn",
@@ -380,6 +384,15 @@ def epoch_ran_to_end(trainer: Trainer) -> bool:
     """Whether the training epoch that is ending ran all its batches: Lightning's own test before it steps a
     plateau scheduler (a stop at ``max_steps`` mid-epoch does not step one)."""
     return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+
+
+def validation_follows(trainer: Trainer) -> bool:
+    """Whether Lightning validates after the training batch that is ending (asked in ``on_train_batch_end``).
+
+    A checkpoint saved before that validation skips it on resume: Lightning fast-forwards a validation that
+    was due at the batch a fit restarts from."""
+    loop = trainer.fit_loop
+    return loop._data_fetcher is not None and loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
 
 
 # -- a checkpoint's optimizer-step counters, automatic and manual optimization --------------------------
