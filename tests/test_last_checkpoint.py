@@ -166,3 +166,27 @@ def test_a_resume_after_a_mid_epoch_validation_logs_what_the_whole_run_logs(make
     resumed = _rows(Path(objects["trainer"].default_root_dir))
     expected = [row for row in _rows(whole) if int(row["step"]) >= 5]
     assert any("train/loss" in row for row in resumed) and resumed == expected
+
+
+def test_a_kill_just_after_an_epochs_last_ckpt_keeps_that_epochs_training_row(make_cfg, tmp_path, monkeypatch):
+    """The epoch's ``last.ckpt`` is written in an epoch-end hook, and Lightning writes the epoch's training row
+    after all of them; a fit resumed from an epoch's end does not write it. So the row goes out first: the run
+    dir as a kill right after that save leaves it, resumed, ends with the uninterrupted run's rows."""
+    common = ["model=toy", "data=toy", "++trainer.limit_train_batches=10", "trainer.max_epochs=2", "test=false"]
+    _, objects = train(make_cfg("train", common, subdir="whole"))
+    whole = Path(objects["trainer"].default_root_dir)
+
+    killed, save = tmp_path / "killed", LastCheckpoint.save
+
+    def save_then_freeze_the_run_dir(self, trainer, final=False):  # what a kill -9 just after this save leaves
+        save(self, trainer, final)
+        if trainer.fit_loop.epoch_loop.done and trainer.current_epoch == 0 and not killed.exists():
+            shutil.copytree(trainer.default_root_dir, killed)
+
+    monkeypatch.setattr(LastCheckpoint, "save", save_then_freeze_the_run_dir)
+    train(make_cfg("train", common, subdir="first"))
+    monkeypatch.undo()
+    assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 10
+    train(make_cfg("train", [*common, f"ckpt_path={killed / 'checkpoints' / 'last.ckpt'}"], subdir="killed"))
+    rows = _rows(killed)
+    assert any(row.get("epoch") == "0" and "train/loss" in row for row in rows) and rows == _rows(whole)

@@ -6,7 +6,8 @@ intervals, kept an older ``last.ckpt`` than its final state. :class:`LastCheckpo
 ``every_n_train_steps``, at the end of each training epoch (after its validation) and when ``fit``
 ends, whatever the monitored metric did, and saves nothing else. A periodic save never falls between a step
 and the validation due after it (a resume from there would skip that validation): it waits for the
-validation's end, and on an epoch's last batch for the epoch's end.
+validation's end, and on an epoch's last batch for the epoch's end. The epoch's training row reaches the
+loggers before the epoch's save (:func:`src.utils.lightning_compat.log_training_epoch_now`).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ class LastCheckpoint(ModelCheckpoint):
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Lightning's progress bar computes the epoch's synced metrics on rank 0 alone in this hook (one
-        # collective each); computing them on every rank before the save's collectives keeps one order
-        _ = trainer.callback_metrics
+        # The epoch's training row goes to the loggers before its checkpoint: a kill between the two would
+        # leave a resume (from the epoch's end) that never logs it. Its synced metrics are computed on every
+        # rank here, before the save's collectives: one order on every rank.
+        compat.log_training_epoch_now(trainer)
         self.save(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

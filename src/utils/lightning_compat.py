@@ -119,6 +119,13 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
      "no periodic last.ckpt between a step and the validation due after it"),
     (lambda: SetInInit(fit_loop._FitLoop), "_data_fetcher",
      "no periodic last.ckpt between a step and the validation due after it"),
+    (lambda: SetInInit(Trainer), "_logger_connector", "an epoch's training row written before its last.ckpt"),
+    (lambda: SetInInit(training_epoch_loop._TrainingEpochLoop), "_batches_that_stepped",
+     "an epoch's training row written before its last.ckpt"),
+    (lambda: CalledIn(fit_loop._FitLoop.on_advance_end), "update_train_epoch_metrics",
+     "an epoch's training row written before its last.ckpt"),
+    (lambda: CalledIn(fit_loop._FitLoop.on_advance_end), "_batches_that_stepped",
+     "an epoch's training row written before its last.ckpt"),
     (lambda: signal_connector, "_SignalConnector", "the agreed SIGTERM stop"),
     (lambda: signal_connector._SignalConnector, "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
     (lambda: CalledIn(signal_connector._SignalConnector.register_signal_handlers), "_sigterm_notifier_fn",
@@ -393,6 +400,23 @@ def validation_follows(trainer: Trainer) -> bool:
     was due at the batch a fit restarts from."""
     loop = trainer.fit_loop
     return loop._data_fetcher is not None and loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
+
+
+def log_training_epoch_now(trainer: Trainer) -> None:
+    """Write the ending training epoch's metrics to the loggers now (call in ``on_train_epoch_end``).
+
+    Lightning's loop writes them after every epoch-end hook, so a checkpoint saved in one of those hooks holds
+    an epoch that its logs do not, and a fit resumed from it (as from an epoch's end) never writes them.
+    Here the loop's own calls run early: the epoch's values reach the progress bar and callback metrics, the
+    row is logged at the step Lightning logs an epoch's end at, and the results are reset, so the loop's
+    later calls find nothing left to write."""
+    connector, epoch_loop = trainer._logger_connector, trainer.fit_loop.epoch_loop
+    connector.on_epoch_end()
+    epoch_loop._batches_that_stepped -= 1
+    try:
+        connector.update_train_epoch_metrics()
+    finally:
+        epoch_loop._batches_that_stepped += 1
 
 
 # -- a checkpoint's optimizer-step counters, automatic and manual optimization --------------------------
