@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from src.checkpointing.last_checkpoint import LastCheckpoint, last_checkpoint_path
+from src.checkpointing.last_checkpoint import LastCheckpoint
 from src.train import train
 
 pytestmark = pytest.mark.fast  # in-process toy fits, about a second each
@@ -137,56 +137,37 @@ def test_a_resume_from_any_last_ckpt_runs_every_validation_the_run_had_left(tmp_
         assert before + after.count == validations.count, (path.name, before, after.count)
 
 
-class KeepLastCheckpointAfterStep5(Callback):
-    """Copies ``last.ckpt`` when step 6 starts: what a kill there would resume from."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == 5 and trainer.current_epoch == 0:
-            path = last_checkpoint_path(trainer)
-            shutil.copy(path, path.with_name("after_step_5.ckpt"))
-
-
 def _rows(run_dir: Path) -> list[dict[str, str]]:
     with open(run_dir / "csv" / "version_0" / "metrics.csv", newline="") as f:
         return [{k: v for k, v in row.items() if v and not k.startswith("perf/")} for row in csv.DictReader(f)]
 
 
-def test_a_resume_after_a_mid_epoch_validation_logs_what_the_whole_run_logs(make_cfg):
-    """Validation every 5 of 10 batches and last.ckpt every 5 steps: the save at step 5 waits for the
-    validation after it and keeps the epoch's running training metrics. Resumed from it, the run logs
-    that epoch's training mean over all its batches, and every later row, as the uninterrupted run did."""
+def test_a_kill_just_after_any_last_ckpt_of_an_epoch_resumes_to_the_whole_runs_rows(make_cfg, tmp_path, monkeypatch):
+    """Validation every 5 of 10 batches, last.ckpt every 5 steps. The run dir as a kill right after each of
+    epoch 0's saves leaves it, resumed, ends with the uninterrupted run's rows:
+
+    * step 5's save waits for the validation after it, and keeps the epoch's running training metrics: the
+      resumed epoch logs its mean over all its batches;
+    * the epoch's end: Lightning writes the epoch's training row after every epoch-end hook (last.ckpt is saved
+      in one), and a fit resumed from an epoch's end never writes it, so it goes out before the save.
+    """
     common = ["model=toy", "data=toy", "++trainer.limit_train_batches=10", "trainer.max_epochs=2", "test=false",
               "+trainer.val_check_interval=5", "last_ckpt_every_n_train_steps=5"]
-    keep = "+callbacks.keep._target_=tests.test_last_checkpoint.KeepLastCheckpointAfterStep5"
-    _, objects = train(make_cfg("train", [*common, keep], subdir="whole"))
-    whole = Path(objects["trainer"].default_root_dir)
-    saved = last_checkpoint_path(objects["trainer"]).with_name("after_step_5.ckpt")
-    assert torch.load(saved, weights_only=False)["global_step"] == 5
-    _, objects = train(make_cfg("train", [*common, f"ckpt_path={saved}"], subdir="resumed"))
-    resumed = _rows(Path(objects["trainer"].default_root_dir))
-    expected = [row for row in _rows(whole) if int(row["step"]) >= 5]
-    assert any("train/loss" in row for row in resumed) and resumed == expected
-
-
-def test_a_kill_just_after_an_epochs_last_ckpt_keeps_that_epochs_training_row(make_cfg, tmp_path, monkeypatch):
-    """The epoch's ``last.ckpt`` is written in an epoch-end hook, and Lightning writes the epoch's training row
-    after all of them; a fit resumed from an epoch's end does not write it. So the row goes out first: the run
-    dir as a kill right after that save leaves it, resumed, ends with the uninterrupted run's rows."""
-    common = ["model=toy", "data=toy", "++trainer.limit_train_batches=10", "trainer.max_epochs=2", "test=false"]
     _, objects = train(make_cfg("train", common, subdir="whole"))
-    whole = Path(objects["trainer"].default_root_dir)
+    whole = _rows(Path(objects["trainer"].default_root_dir))
+    assert [row["step"] for row in whole if "val/loss" in row] == ["4", "9", "14", "19"]
 
-    killed, save = tmp_path / "killed", LastCheckpoint.save
+    frozen, save = [], LastCheckpoint.save
 
     def save_then_freeze_the_run_dir(self, trainer, final=False):  # what a kill -9 just after this save leaves
         save(self, trainer, final)
-        if trainer.fit_loop.epoch_loop.done and trainer.current_epoch == 0 and not killed.exists():
-            shutil.copytree(trainer.default_root_dir, killed)
+        if trainer.current_epoch == 0:
+            frozen.append(shutil.copytree(trainer.default_root_dir, tmp_path / f"killed_{len(frozen)}"))
 
     monkeypatch.setattr(LastCheckpoint, "save", save_then_freeze_the_run_dir)
     train(make_cfg("train", common, subdir="first"))
     monkeypatch.undo()
-    assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 10
-    train(make_cfg("train", [*common, f"ckpt_path={killed / 'checkpoints' / 'last.ckpt'}"], subdir="killed"))
-    rows = _rows(killed)
-    assert any(row.get("epoch") == "0" and "train/loss" in row for row in rows) and rows == _rows(whole)
+    assert [torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] for d in frozen] == [5, 10]
+    for killed in frozen:
+        train(make_cfg("train", [*common, f"ckpt_path={killed / 'checkpoints' / 'last.ckpt'}"], subdir=killed.name))
+        assert _rows(killed) == whole, killed.name

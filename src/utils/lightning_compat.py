@@ -117,6 +117,7 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
      "a plateau scheduler stepped before the epoch's checkpoint"),
     (lambda: training_epoch_loop._TrainingEpochLoop, "_should_check_val_fx",
      "no periodic last.ckpt between a step and the validation due after it"),
+    (lambda: fit_loop, "_FitLoop", "no periodic last.ckpt between a step and the validation due after it"),
     (lambda: SetInInit(fit_loop._FitLoop), "_data_fetcher",
      "no periodic last.ckpt between a step and the validation due after it"),
     (lambda: SetInInit(Trainer), "_logger_connector", "an epoch's training row written before its last.ckpt"),
