@@ -83,3 +83,21 @@ def test_fashion_mnist_mlp_reaches_85_percent(make_cfg):
         cfg.callbacks.early_stopping.patience = 100
     metrics, _ = train(cfg)
     assert float(metrics["test/acc"]) >= 0.85
+
+
+@pytest.mark.parametrize("override", [[], ["trainer.profiler=simple"]], ids=["default", "simple"])
+def test_the_default_profiler_profiles_nothing_and_simple_still_profiles(make_cfg, override):
+    """Lightning wraps every hook in ``trainer.profiler.profile``; the default hands back one shared no-op
+    context (cheaper than Lightning's pass-through profiler). ``trainer.profiler=simple`` still times hooks."""
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    from src.utils.profiler import NoProfiler
+
+    cfg = make_cfg("train", ["model=toy", "data=toy", "test=false", *override])
+    _, objects = train(cfg)
+    profiler, trainer = objects["trainer"].profiler, objects["trainer"]
+    assert trainer.global_step > 0
+    if override:
+        assert isinstance(profiler, SimpleProfiler) and profiler.recorded_durations["run_training_batch"]
+    else:
+        assert isinstance(profiler, NoProfiler) and profiler.profile("a") is profiler.profile("b")
