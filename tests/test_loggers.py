@@ -192,6 +192,12 @@ def test_a_wandb_log_cut_anywhere_reads_up_to_its_last_whole_point(tmp_path):
     cut.write_bytes(b"not a W&B log" + data[13:])
     assert list(history_points(cut)) == []
 
+    # a resumed logger finds these points where WandbLogger writes (save_dir over dir, version as the id)
+    from src.loggers.resumable import ResumableWandbLogger
+
+    logger = ResumableWandbLogger(save_dir=str(tmp_path), dir=str(tmp_path / "unused"), version="cut", offline=True)
+    assert logger._held.unsent({"x": 1.0}, 599) == {} and logger._held.unsent({"x": 1.0}, 600) == {"x": 1.0}
+
 
 @pytest.mark.fast
 def test_a_resume_sends_each_point_a_logger_lacks_once_wherever_the_kill_and_the_checkpoint_fell():

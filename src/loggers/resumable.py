@@ -193,15 +193,15 @@ class ResumableMLFlowLogger(MLFlowLogger):
 class ResumableWandbLogger(WandbLogger):
     """Lightning's WandbLogger sending each point of a resumed run once: W&B keeps every point it is sent."""
 
-    def __init__(self, save_dir: str = ".", id: str | None = None, dir: str | None = None, prefix: str = "",
-                 **kwargs: Any) -> None:
-        super().__init__(save_dir=save_dir, id=id, dir=dir, prefix=prefix, **kwargs)
+    def __init__(self, prefix: str = "", **kwargs: Any) -> None:
+        super().__init__(prefix=prefix, **kwargs)
         self._held = HeldPoints()
         self._key_prefix = f"{prefix}{self.LOGGER_JOIN_CHAR}" if prefix else ""
-        if id and launch_context().is_launching_process:  # only rank 0 logs
+        run_id, folder = self.version, self.save_dir  # as WandbLogger resolved them (id or version; save_dir or dir)
+        if run_id and folder and launch_context().is_launching_process:  # only rank 0 logs
             from src.loggers.wandb_records import STEP_KEY, history_points, transaction_logs
 
-            for path in transaction_logs(Path(dir or save_dir) / "wandb", id):  # every earlier attempt, in order
+            for path in transaction_logs(Path(folder) / "wandb", run_id):  # every earlier attempt, in order
                 for point in history_points(path):
                     step = point.pop(STEP_KEY, None)
                     if isinstance(step, (int, float)):
