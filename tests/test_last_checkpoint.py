@@ -171,3 +171,20 @@ def test_a_kill_just_after_any_last_ckpt_of_an_epoch_resumes_to_the_whole_runs_r
     for killed in frozen:
         train(make_cfg("train", [*common, f"ckpt_path={killed / 'checkpoints' / 'last.ckpt'}"], subdir=killed.name))
         assert _rows(killed) == whole, killed.name
+
+
+class _TinyWithoutValidationData(_Tiny):
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.zeros(0, 2), torch.zeros(0, 1)), batch_size=2)
+
+
+def test_a_save_that_waited_for_a_validation_that_did_not_run_is_made_a_step_later(tmp_path):
+    """An empty validation set: Lightning skips the validation due every 4 batches, so the save that waited
+    for its end is made at the next step instead of being lost until the epoch's end."""
+    validations = _Validations()
+    keep = _KeepEverySave(tmp_path / "checkpoints", validations)
+    trainer = L.Trainer(max_epochs=2, val_check_interval=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[keep, validations])
+    trainer.fit(_TinyWithoutValidationData())
+    steps = [torch.load(path, weights_only=False)["global_step"] for path, _ in keep.kept]
+    assert validations.count == 0 and steps == [5, 8, 13, 16, 16]

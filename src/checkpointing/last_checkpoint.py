@@ -44,7 +44,10 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self.every_n_steps or trainer.global_step % self.every_n_steps:
+        # also a save that waited for a validation which did not run (an empty validation set): made one step late
+        due = self._after_validation or (self.every_n_steps and trainer.global_step % self.every_n_steps == 0)
+        self._after_validation = False
+        if not due:
             return
         # A save here, before the validation due after this batch, would make a resume skip that validation
         # (Lightning fast-forwards it): save after it. The epoch's last batch is saved at the epoch's end.
