@@ -62,7 +62,17 @@ def test_sigterm_saves_exits_143_and_the_same_command_resumes_bit_exact(tmp_path
     assert not differing_weights(one_process_reference, run_dir)
 
 
-def test_ctrl_c_is_recorded_as_interrupted_and_the_same_command_resumes(tmp_path, one_process_reference):
+@pytest.fixture
+def children_take_sigint():
+    """A suite started in the background by a non-interactive shell ignores SIGINT, and a child inherits that
+    (its Python then never raises KeyboardInterrupt). Handled here, children start as from a terminal."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_is_recorded_as_interrupted_and_the_same_command_resumes(tmp_path, one_process_reference,
+                                                                        children_take_sigint):
     """Ctrl-C (SIGINT): Lightning's own shutdown, exit 1; ``status.yaml`` says ``interrupted`` where it stopped,
     not ``failed``, and the same command resumes from the last periodic ``last.ckpt`` to an uninterrupted
     run's weights."""
