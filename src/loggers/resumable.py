@@ -167,7 +167,21 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
         super().log_metrics(metrics, step)
 
 
-class ResumableMLFlowLogger(MLFlowLogger):
+class SendsUnheldPoints:
+    """A logger that sends only the points its run does not hold yet (``self._held``, keys with ``self._key_prefix``):
+    a resume replays steps the run holds already, and MLflow and W&B would keep both."""
+
+    _held: HeldPoints
+    _key_prefix: str
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        metrics = self._held.unsent(metrics, step, self._key_prefix)
+        if metrics:
+            super().log_metrics(metrics, step)  # type: ignore[misc]
+
+
+class ResumableMLFlowLogger(SendsUnheldPoints, MLFlowLogger):
     """Lightning's MLFlowLogger continuing the MLflow run tagged ``run_uid``: a resume logs into the same run."""
 
     def __init__(self, experiment_name: str = "lightning_logs", run_uid: str | None = None,
@@ -183,14 +197,8 @@ class ResumableMLFlowLogger(MLFlowLogger):
                 self._held = mlflow_points_held(uri, run_id)
         super().__init__(experiment_name=experiment_name, tags=tags, run_id=run_id, **kwargs)
 
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        metrics = self._held.unsent(metrics, step, self._key_prefix)
-        if metrics:
-            super().log_metrics(metrics, step)
 
-
-class ResumableWandbLogger(WandbLogger):
+class ResumableWandbLogger(SendsUnheldPoints, WandbLogger):
     """Lightning's WandbLogger sending each point of a resumed run once: W&B keeps every point it is sent."""
 
     def __init__(self, prefix: str = "", **kwargs: Any) -> None:
@@ -199,19 +207,7 @@ class ResumableWandbLogger(WandbLogger):
         self._key_prefix = f"{prefix}{self.LOGGER_JOIN_CHAR}" if prefix else ""
         run_id, folder = self.version, self.save_dir  # as WandbLogger resolved them (id or version; save_dir or dir)
         if run_id and folder and launch_context().is_launching_process:  # only rank 0 logs
-            from src.loggers.wandb_records import STEP_KEY, history_points, transaction_logs
-
-            for path in transaction_logs(Path(folder) / "wandb", run_id):  # every earlier attempt, in order
-                for point in history_points(path):
-                    step = point.pop(STEP_KEY, None)
-                    if isinstance(step, (int, float)):
-                        self._held.add(point, int(step))
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        metrics = self._held.unsent(metrics, step, self._key_prefix)
-        if metrics:
-            super().log_metrics(metrics, step)
+            self._held = wandb_points_held(Path(folder) / "wandb", run_id)
 
 
 class HeldPoints:
@@ -270,4 +266,17 @@ def mlflow_points_held(tracking_uri: str, run_id: str) -> HeldPoints:
     for key in client.get_run(run_id).data.metrics:
         for metric in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
             held.add([key], metric.step)
+    return held
+
+
+def wandb_points_held(wandb_dir: Path, run_id: str) -> HeldPoints:
+    """What W&B run ``run_id`` holds of each metric: its earlier attempts' transaction logs, in order."""
+    from src.loggers.wandb_records import STEP_KEY, history_points, transaction_logs
+
+    held = HeldPoints()
+    for path in transaction_logs(wandb_dir, run_id):
+        for point in history_points(path):
+            step = point.pop(STEP_KEY, None)
+            if isinstance(step, (int, float)):
+                held.add(point, int(step))
     return held
