@@ -127,6 +127,20 @@ def test_gpu_fit_and_test(make_cfg, precision):
 
 
 @gpu_test(1)
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_direct_owned_step_equals_lightnings_calls_on_gpu(make_cfg, monkeypatch, precision):
+    """The owned step's direct backward and optimizer call (a CPU default so far: ``DIRECT_STEP_DEVICES``)
+    against Lightning's calls, eager (no capture), on the GPU."""
+    from src.models import owned_step
+    from tests.test_owned_step import assert_direct_step_equals_lightnings_calls
+
+    skip_without_bf16(precision)
+    monkeypatch.setattr(owned_step, "DIRECT_STEP_DEVICES", ("cpu", "cuda"))
+    assert_direct_step_equals_lightnings_calls(make_cfg, *GPU, f"trainer.precision={precision}",
+                                               "model.step_capture=false")
+
+
+@gpu_test(1)
 def test_dp_on_one_gpu_validates_under_autocast(make_cfg):
     """`trainer=dp trainer.devices=1` in mixed precision: training, validation and test all run autocast on the GPU."""
     from src.strategies.dp import DataParallelStrategy

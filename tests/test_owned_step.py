@@ -102,3 +102,38 @@ def test_a_run_killed_in_one_mode_resumes_in_the_other_bit_exact(tmp_path, first
     expected = torch.load(reference_runs() / "checkpoints" / "last.ckpt", weights_only=False)
     assert 0 < killed_at < final["global_step"] == expected["global_step"]
     assert all(torch.equal(final["state_dict"][k], expected["state_dict"][k]) for k in expected["state_dict"])
+
+
+
+class CountsBackward(Callback):
+    """Listens to a hook Lightning runs inside the step: the owned step must then keep Lightning's calls."""
+
+    calls = 0
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        type(self).calls += 1
+
+
+def assert_direct_step_equals_lightnings_calls(make_cfg, *overrides: str) -> None:
+    """Train twice: with nothing listening to the in-step hooks (the owned step calls backward and the optimizer
+    itself), and with a callback on ``on_before_backward`` (Lightning's ``manual_backward``/``optimizer.step()``,
+    which call it every step). Both end with the same weights, optimizer state and step count."""
+    listen = "+callbacks.counts._target_=tests.test_owned_step.CountsBackward"
+    common = ["model=toy", "data=toy", STEP_LR, "test=false", "trainer.max_epochs=2", *overrides]
+    CountsBackward.calls = 0
+    ends = {}
+    for listener in (False, True):
+        _, objects = train(make_cfg("train", [*common, *([listen] if listener else [])], subdir=str(listener)))
+        module, trainer = objects["model"], objects["trainer"]
+        assert not module.automatic_optimization and module._direct is not listener
+        ends[listener] = (trainer.global_step, module.state_dict(), trainer.optimizers[0].state_dict())
+    assert CountsBackward.calls == ends[True][0] > 0
+    (steps, weights, optim), (steps_l, weights_l, optim_l) = ends[False], ends[True]
+    assert steps == steps_l
+    assert all(torch.equal(weights[k], weights_l[k]) for k in weights)
+    state, state_l = optim["state"], optim_l["state"]
+    assert all(torch.equal(state[i][k], state_l[i][k]) for i in state for k in state[i] if torch.is_tensor(state[i][k]))
+
+
+def test_the_direct_owned_step_equals_the_one_through_lightnings_calls(make_cfg):
+    assert_direct_step_equals_lightnings_calls(make_cfg)

@@ -24,10 +24,18 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import Strategy
 from torch import Tensor
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from src.models.step_capture import GRAPHS, StepCapture, capture_blocker, learning_rates_as_floats
+from src.models.step_capture import (
+    GRAPHS,
+    StepCapture,
+    capture_blocker,
+    in_step_hook_listener,
+    learning_rates_as_floats,
+)
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 from src.utils.hooks import RunsOwnedStep
@@ -50,6 +58,36 @@ def owned_step_blocker(trainer: L.Trainer, mode: str | bool) -> str | None:
     return None
 
 
+# Where the direct call is the default: a device type joins once tests/test_gpu.py's check of it has passed there
+DIRECT_STEP_DEVICES = ("cpu",)
+
+
+def direct_step_blocker(trainer: L.Trainer, module: L.LightningModule) -> str | None:
+    """Why the eager owned step goes through ``manual_backward`` and Lightning's ``optimizer.step()`` (None: it
+    calls backward and the optimizer itself).
+
+    Those two calls add three hook fan-outs to every step (``on_before_backward``, ``on_after_backward``,
+    ``on_before_optimizer_step``, on the module and each callback) and a closure. Where nothing listens to
+    those hooks, the precision plugin only forwards (32-true, or bf16-mixed: no loss scaler) and the strategy
+    adds nothing to the optimizer step, the direct call runs the same operations in the same order.
+    """
+    device = trainer.strategy.root_device.type
+    if device not in DIRECT_STEP_DEVICES:
+        return f"the direct call has not run on {device} yet (tests/test_gpu.py checks it)"
+    listener = in_step_hook_listener(trainer, module)
+    if listener is not None:
+        return f"{listener} runs inside the step"
+    precision = trainer.precision_plugin
+    if type(precision) not in (Precision, MixedPrecision) or getattr(precision, "scaler", None) is not None:
+        return f"the precision plugin {type(precision).__name__} takes part in backward and the optimizer step"
+    if type(trainer.strategy).backward is not Strategy.backward or compat.strategy_adds_to_optimizer_step(
+            trainer.strategy):
+        return f"{type(trainer.strategy).__name__} takes part in backward or the optimizer step"
+    if len(trainer.optimizers) != 1:
+        return f"the module has {len(trainer.optimizers)} optimizers"
+    return None
+
+
 class OwnedStep:
     """Mixin for :class:`src.models.step_module.StepModule` (a LightningModule with ``model_step``/``record_step``)."""
 
@@ -57,6 +95,7 @@ class OwnedStep:
     _owned_for: tuple[Any, bool] | None = None  # (trainer, owns): decided once per trainer
     _epoch_ran_to_end = False  # the last owned step was its epoch's last batch
     _capture: StepCapture | None = None  # this fit's captured step (None: eager)
+    _direct = False  # this fit's eager step calls backward and the optimizer itself (direct_step_blocker)
     step_capture_counts = (0, 0)  # (captures, replayed steps) of the last fit
 
     @property
@@ -75,6 +114,11 @@ class OwnedStep:
     def on_train_start(self) -> None:
         """Decide, once per fit, whether the owned step is captured (the optimizers and callbacks exist now)."""
         self._capture = None
+        if not self.automatic_optimization:
+            blocker = direct_step_blocker(self.trainer, self)
+            self._direct = blocker is None
+            if blocker is not None:
+                log.debug(f"the owned step runs through Lightning's manual_backward and optimizer.step: {blocker}")
         mode = self.hparams.get("step_capture", "auto")
         blocker = capture_blocker(self.trainer, self, mode)
         if blocker is None:
@@ -112,8 +156,16 @@ class OwnedStep:
         optimizer = self.optimizers()
         loss = self.record_step("train", self.model_step(batch))
         optimizer.zero_grad()
-        self.manual_backward(loss)
-        optimizer.step()
+        if self._direct:  # manual_backward and optimizer.step() less their hook fan-outs (direct_step_blocker)
+            strategy = self.trainer.strategy
+            strategy.pre_backward(loss)  # DDP readies its reducer here
+            self.backward(loss)
+            strategy.post_backward(loss)
+            optimizer.optimizer.step()
+            compat.count_manual_step(optimizer)
+        else:
+            self.manual_backward(loss)
+            optimizer.step()
         return loss
 
     def _step_schedulers(self, batch_idx: int) -> None:

@@ -98,10 +98,18 @@ def capture_blocker(trainer: Trainer, module: LightningModule, mode: str | bool)
     optimizers = trainer.optimizers
     if len(optimizers) != 1 or not is_fused(optimizers[0]):
         return "the optimizer is not one fused Adam/AdamW/SGD (model.fused_optimizer=true)"
+    listener = in_step_hook_listener(trainer, module)
+    if listener is not None:
+        return f"{listener} runs inside the step, and a replay would skip it"
+    return None
+
+
+def in_step_hook_listener(trainer: Trainer, module: LightningModule) -> str | None:
+    """``Class.hook`` of the first module or callback that overrides one of :data:`IN_STEP_HOOKS` (None: none)."""
     for obj, base in ((module, LightningModule), *((cb, Callback) for cb in trainer.callbacks)):
         hook = next((h for h in IN_STEP_HOOKS if overrides(obj, base, h)), None)
         if hook is not None:
-            return f"{type(obj).__name__}.{hook} runs inside the step, and a replay would skip it"
+            return f"{type(obj).__name__}.{hook}"
     return None
 
 

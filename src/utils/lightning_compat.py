@@ -136,6 +136,7 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: SetInInit(LightningModule), "_current_fx_name", "fast hook-name writes"),
     (lambda: SetInInit(LightningOptimizer), "_on_before_step", "counting a replayed (captured) step"),
     (lambda: SetInInit(LightningOptimizer), "_on_after_step", "counting a replayed (captured) step"),
+    (lambda: SetInInit(DDPStrategy), "_model_averager", "the owned step's direct optimizer step"),
     (lambda: fabric_optimizer, "_optimizers_to_device", "moving a pipeline stage's optimizer state"),
     (lambda: nn.Module, "_replicate_for_data_parallel", "dp replicas on CPU"),
     (lambda: SetInInit(nn.Module), "_parameters", "dp replicas on CPU"),
@@ -420,6 +421,15 @@ def log_training_epoch_now(trainer: Trainer) -> None:
         epoch_loop._batches_that_stepped += 1
 
 
+def strategy_adds_to_optimizer_step(strategy: Strategy) -> bool:
+    """Whether ``strategy.optimizer_step`` does more than its precision plugin's step: an override of it, or
+    DDP's post-local-SGD model averaging (``model_averaging_period``)."""
+    step = type(strategy).optimizer_step
+    if isinstance(strategy, DDPStrategy) and step is DDPStrategy.optimizer_step:
+        return strategy._model_averager is not None
+    return step is not Strategy.optimizer_step
+
+
 # -- a checkpoint's optimizer-step counters, automatic and manual optimization --------------------------
 _AUTOMATIC_STEPS = "epoch_loop.automatic_optimization.optim_progress"  # {"optimizer": {"step": Progress}}
 _MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"  # Progress
@@ -427,7 +437,8 @@ _MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"  # Progress
 
 def count_manual_step(optimizer: LightningOptimizer) -> None:
     """Count one optimizer step in Lightning's manual-optimization progress, as ``optimizer.step()`` does,
-    for a step whose device work ran as a graph replay (``global_step`` and checkpoints follow the count)."""
+    for a step whose optimizer ran without it: a graph replay, or the owned step's direct call
+    (``global_step`` and checkpoints follow the count)."""
     optimizer._on_before_step()
     optimizer._on_after_step()
 
