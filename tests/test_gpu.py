@@ -136,7 +136,7 @@ def test_the_direct_owned_step_equals_lightnings_calls_on_gpu(make_cfg, monkeypa
 
     skip_without_bf16(precision)
     monkeypatch.setattr(owned_step, "DIRECT_STEP_DEVICES", ("cpu", "cuda"))
-    assert_direct_step_equals_lightnings_calls(make_cfg, *GPU, f"trainer.precision={precision}",
+    assert_direct_step_equals_lightnings_calls(make_cfg, "callback", *GPU, f"trainer.precision={precision}",
                                                "model.step_capture=false")
 
 

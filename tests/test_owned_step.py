@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from lightning import Callback
+from lightning.pytorch.callbacks import LambdaCallback
+from lightning.pytorch.profilers import PassThroughProfiler
 
 from src.checkpointing.last_checkpoint import last_checkpoint_path
+from src.models.regression_module import RegressionModule
 from src.train import train
 from tests.helpers.training_runs import finish, run_dirs, start, wait_for_checkpoint
 
@@ -105,35 +108,83 @@ def test_a_run_killed_in_one_mode_resumes_in_the_other_bit_exact(tmp_path, first
 
 
 
-class CountsBackward(Callback):
-    """Listens to a hook Lightning runs inside the step: the owned step must then keep Lightning's calls."""
 
-    calls = 0
+LISTENED = {"calls": 0}  # calls of the listeners below, in this process
+
+
+class CountsBackward(Callback):
+    """Overrides a hook Lightning runs inside the step: the owned step must then keep Lightning's calls."""
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        type(self).calls += 1
+        LISTENED["calls"] += 1
 
 
-def assert_direct_step_equals_lightnings_calls(make_cfg, *overrides: str) -> None:
-    """Train twice: with nothing listening to the in-step hooks (the owned step calls backward and the optimizer
-    itself), and with a callback on ``on_before_backward`` (Lightning's ``manual_backward``/``optimizer.step()``,
-    which call it every step). Both end with the same weights, optimizer state and step count."""
-    listen = "+callbacks.counts._target_=tests.test_owned_step.CountsBackward"
-    common = ["model=toy", "data=toy", STEP_LR, "test=false", "trainer.max_epochs=2", *overrides]
-    CountsBackward.calls = 0
+def lambda_listener() -> LambdaCallback:
+    """The same hook, set on an instance (as ``LambdaCallback`` sets the hooks it is given)."""
+    return LambdaCallback(on_before_backward=lambda trainer, pl_module, loss: LISTENED.__setitem__(
+        "calls", LISTENED["calls"] + 1))
+
+
+class CountsManualBackward(RegressionModule):
+    """A module whose ``manual_backward`` does more than Lightning's."""
+
+    def manual_backward(self, loss, *args, **kwargs) -> None:
+        LISTENED["calls"] += 1
+        super().manual_backward(loss, *args, **kwargs)
+
+
+class WatchesOptimizerStep(PassThroughProfiler):
+    """Records, for each ``optimizer_step`` entry, whether the weights changed inside it (the entry holds the step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: torch.Tensor | None = None
+        self.changed: list[bool] = []
+
+    def start(self, action_name: str) -> None:
+        if action_name == "optimizer_step" and self.watched is not None:
+            self._before = self.watched.detach().clone()
+
+    def stop(self, action_name: str) -> None:
+        if action_name == "optimizer_step" and self.watched is not None:
+            self.changed.append(not torch.equal(self._before, self.watched))
+
+
+class WatchWeights(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        trainer.profiler.watched = next(pl_module.parameters())
+
+
+LISTENERS = {"callback": "+callbacks.counts._target_=tests.test_owned_step.CountsBackward",
+             "instance-hook": "+callbacks.counts._target_=tests.test_owned_step.lambda_listener",
+             "module": "model._target_=tests.test_owned_step.CountsManualBackward"}
+
+
+def assert_direct_step_equals_lightnings_calls(make_cfg, listener: str, *overrides: str) -> None:
+    """Train twice: with nothing listening inside the step (the owned step calls backward and the optimizer itself),
+    and with ``listener`` (Lightning's ``manual_backward``/``optimizer.step()``, which call it every step). Both
+    end with the same weights, Adam state and step count, and the profiler's ``optimizer_step`` entry holds
+    each weight update."""
+    common = ["model=toy", "data=toy", "model.optimizer._target_=torch.optim.Adam", STEP_LR, "test=false",
+              "trainer.max_epochs=2", "trainer.profiler._target_=tests.test_owned_step.WatchesOptimizerStep",
+              "+callbacks.watch._target_=tests.test_owned_step.WatchWeights", *overrides]
+    LISTENED["calls"] = 0
     ends = {}
-    for listener in (False, True):
-        _, objects = train(make_cfg("train", [*common, *([listen] if listener else [])], subdir=str(listener)))
+    for listens in (False, True):
+        _, objects = train(make_cfg("train", [*common, *([LISTENERS[listener]] if listens else [])], subdir=str(listens)))
         module, trainer = objects["model"], objects["trainer"]
-        assert not module.automatic_optimization and module._direct is not listener
-        ends[listener] = (trainer.global_step, module.state_dict(), trainer.optimizers[0].state_dict())
-    assert CountsBackward.calls == ends[True][0] > 0
+        assert not module.automatic_optimization and module._direct is not listens
+        assert trainer.profiler.changed == [True] * trainer.global_step
+        ends[listens] = (trainer.global_step, module.state_dict(), trainer.optimizers[0].state_dict())
+    assert LISTENED["calls"] == ends[True][0] > 0
     (steps, weights, optim), (steps_l, weights_l, optim_l) = ends[False], ends[True]
     assert steps == steps_l
     assert all(torch.equal(weights[k], weights_l[k]) for k in weights)
     state, state_l = optim["state"], optim_l["state"]
-    assert all(torch.equal(state[i][k], state_l[i][k]) for i in state for k in state[i] if torch.is_tensor(state[i][k]))
+    assert state.keys() == state_l.keys() and len(state) > 0
+    assert all(torch.equal(state[i][k], state_l[i][k]) for i in state for k in ("exp_avg", "exp_avg_sq", "step"))
 
 
-def test_the_direct_owned_step_equals_the_one_through_lightnings_calls(make_cfg):
-    assert_direct_step_equals_lightnings_calls(make_cfg)
+@pytest.mark.parametrize("listener", list(LISTENERS))
+def test_the_direct_owned_step_equals_the_one_through_lightnings_calls(make_cfg, listener):
+    assert_direct_step_equals_lightnings_calls(make_cfg, listener)

@@ -35,6 +35,7 @@ from src.models.step_capture import (
     capture_blocker,
     in_step_hook_listener,
     learning_rates_as_floats,
+    overrides,
 )
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
@@ -77,6 +78,8 @@ def direct_step_blocker(trainer: L.Trainer, module: L.LightningModule) -> str | 
     listener = in_step_hook_listener(trainer, module)
     if listener is not None:
         return f"{listener} runs inside the step"
+    if overrides(module, L.LightningModule, "manual_backward"):
+        return f"{type(module).__name__} overrides manual_backward"
     precision = trainer.precision_plugin
     if type(precision) not in (Precision, MixedPrecision) or getattr(precision, "scaler", None) is not None:
         return f"the precision plugin {type(precision).__name__} takes part in backward and the optimizer step"
@@ -161,8 +164,8 @@ class OwnedStep:
             strategy.pre_backward(loss)  # DDP readies its reducer here
             self.backward(loss)
             strategy.post_backward(loss)
-            optimizer.optimizer.step()
-            compat.count_manual_step(optimizer)
+            with compat.counted_manual_step(optimizer):
+                optimizer.optimizer.step()
         else:
             self.manual_backward(loss)
             optimizer.step()

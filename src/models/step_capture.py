@@ -75,7 +75,10 @@ GRAPHS: dict[str, Callable[[], StepGraph]] = {"cuda": CudaStepGraph}
 
 
 def overrides(obj: object, base: type, name: str) -> bool:
-    return getattr(type(obj), name, None) is not getattr(base, name, None)
+    """Whether ``obj.name`` is not ``base``'s: a subclass's method, or one set on the instance (as
+    ``LambdaCallback`` sets its hooks), which Lightning calls as it finds it."""
+    found = getattr(obj, name, None)
+    return getattr(found, "__func__", found) is not getattr(base, name, None)
 
 
 def capture_blocker(trainer: Trainer, module: LightningModule, mode: str | bool) -> str | None:
@@ -239,9 +242,10 @@ class StepCapture:
                 static.copy_(t)
         if self.graph is None or not same_settings(group_settings(optimizer.optimizer), self.captured_settings):
             self.capture(optimizer)  # counts this step, through Lightning's optimizer.step
+            self.graph.replay()
         else:
-            compat.count_manual_step(optimizer)
-        self.graph.replay()
+            with compat.counted_manual_step(optimizer):
+                self.graph.replay()
         self.replayed += 1
         return self.static_out
 

@@ -435,11 +435,13 @@ _AUTOMATIC_STEPS = "epoch_loop.automatic_optimization.optim_progress"  # {"optim
 _MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"  # Progress
 
 
-def count_manual_step(optimizer: LightningOptimizer) -> None:
-    """Count one optimizer step in Lightning's manual-optimization progress, as ``optimizer.step()`` does,
-    for a step whose optimizer ran without it: a graph replay, or the owned step's direct call
-    (``global_step`` and checkpoints follow the count)."""
+@contextlib.contextmanager
+def counted_manual_step(optimizer: LightningOptimizer) -> Iterator[None]:
+    """Around an optimizer step that runs without Lightning's ``optimizer.step()`` (a graph replay, or the owned
+    step's direct call): what that call does around the step. The manual-optimization progress counts it
+    (``global_step`` and checkpoints follow the count), and the profiler's ``optimizer_step`` entry times it."""
     optimizer._on_before_step()
+    yield
     optimizer._on_after_step()
 
 
