@@ -89,15 +89,24 @@ def test_ctrl_c_is_recorded_as_interrupted_and_the_same_command_resumes(tmp_path
     assert not differing_weights(one_process_reference, run_dir)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_sigterm_to_one_rank_stops_both_at_one_batch_and_resumes_bit_exact(tmp_path, reference_runs, strategy):
+@pytest.mark.parametrize(("strategy", "every_n"), [("ddp", 60), ("fsdp", None)],
+                         ids=["ddp-stopped-at-an-epochs-first-batch", "fsdp"])
+def test_sigterm_to_one_rank_stops_both_at_one_batch_and_resumes_bit_exact(tmp_path, reference_runs, strategy,
+                                                                           every_n):
+    """FSDP at the default check interval. DDP with a check every 60 batches (an epoch here): the stop is made
+    at the start of epoch 2's first batch, where the checkpoint must not take epoch 1's data position for
+    epoch 2's (the resume skipped that whole epoch)."""
     launch = [f"trainer={strategy}", "trainer.devices=2"]
     reference = reference_runs(*launch)
     log_dir = tmp_path / "preempted"
-    proc = start(log_dir, *launch)
+    interval = [f"trainer.strategy.sigterm_check_every_n_batches={every_n}"] if every_n else []
+    proc = start(log_dir, *launch, *interval)
     assert wait_for_checkpoint(proc, log_dir)
     (child,) = psutil.Process(proc.pid).children()  # rank 1, started by rank 0
-    signal_once_training(proc, log_dir, signal.SIGTERM, target_pid=child.pid)
+    if every_n:  # noted before batch 60's check, agreed at batch 120's: the first batch of epoch 2
+        os.kill(child.pid, signal.SIGTERM)
+    else:
+        signal_once_training(proc, log_dir, signal.SIGTERM, target_pid=child.pid)
     assert finish(proc) == 128 + signal.SIGTERM, proc.stderr_text[-3000:]
     child.wait(timeout=30)
     (run_dir,) = run_dirs(log_dir)
@@ -105,8 +114,10 @@ def test_sigterm_to_one_rank_stops_both_at_one_batch_and_resumes_bit_exact(tmp_p
     stops = re.findall(r"\[rank (\d)\].*SIGTERM: every rank stopped at (epoch \d+, global step \d+)",
                        (run_dir / "train.log").read_text())
     assert sorted(rank for rank, _ in stops) == ["0", "1"] and len({where for _, where in stops}) == 1, stops
+    if every_n:
+        assert stops[0][1] == "epoch 2, global step 120", stops
 
-    again = start(log_dir, *launch)
+    again = start(log_dir, *launch, *interval)  # the same command
     assert finish(again) == 0, again.stderr_text[-3000:]
     assert run_dirs(log_dir) == [run_dir]
     assert not differing_weights(reference, run_dir)

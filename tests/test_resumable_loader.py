@@ -56,6 +56,20 @@ def test_end_of_epoch_state_does_not_skip_the_next_epoch():
     assert epoch_batches(loader, 3) == epoch_batches(make_loader(), 3)
 
 
+def test_a_save_before_the_new_epochs_first_batch_holds_no_batch_of_it():
+    """Between the loop's ``set_epoch`` and the new epoch's first batch (where the agreed SIGTERM stop of a
+    multi-process run saves), the position is the start of the new epoch, not the last epoch's count."""
+    loader = make_loader()
+    epoch_batches(loader, 0)
+    loader.sampler.set_epoch(1)
+    iter(loader)  # the loop has asked for the iterator, not yet for a batch
+    state = loader.state_dict()
+    assert state == {"epoch": 1, "batches_done": 0, "global_batch": 4}
+    resumed = make_loader()
+    resumed.load_state_dict(state)
+    assert epoch_batches(resumed, 1) == epoch_batches(make_loader(), 1)
+
+
 @pytest.mark.parametrize("replicas", [2, 3, 6])
 def test_replicas_take_slices_of_the_one_process_global_batches(replicas):
     """Rank r's i-th batch is the r-th slice of the one-process run's i-th batch: the same samples in the same

@@ -66,11 +66,15 @@ class ResumableDataLoader(DataLoader):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._batches_done = 0
+        self._counted_epoch: int | None = None  # the epoch whose batches _batches_done counts
         self._resume_at: tuple[int | None, int] | None = None  # (epoch, batches done) from a checkpoint
 
     def state_dict(self) -> dict[str, int | None]:
-        return {"epoch": getattr(self.sampler, "epoch", None), "batches_done": self._batches_done,
-                "global_batch": self._global_batch()}
+        # Between the loop's set_epoch and the new epoch's first batch (an agreed stop at that batch's start
+        # saves there), the count is still the last epoch's: the new one has handed out nothing yet.
+        epoch = getattr(self.sampler, "epoch", None)
+        done = self._batches_done if epoch == self._counted_epoch else 0
+        return {"epoch": epoch, "batches_done": done, "global_batch": self._global_batch()}
 
     def load_state_dict(self, state: dict[str, int | None]) -> None:
         epoch, done = state.get("epoch"), int(state.get("batches_done") or 0)
@@ -90,7 +94,7 @@ class ResumableDataLoader(DataLoader):
         # epoch restores a position the loop never iterates again: it must not skip the next epoch's batches.
         resume_at, self._resume_at = self._resume_at, None
         skip = resume_at[1] if resume_at and resume_at[0] == getattr(self.sampler, "epoch", None) else 0
-        self._batches_done = 0
+        self._batches_done, self._counted_epoch = 0, getattr(self.sampler, "epoch", None)
         batches = super().__iter__()
         for _ in range(skip):
             if next(batches, None) is None:
