@@ -4,13 +4,16 @@ whatever ``callbacks`` holds: what a requeue resumes and what eval and export re
 from __future__ import annotations
 
 import csv
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 
 from src.checkpointing.last_checkpoint import LastCheckpoint
@@ -171,6 +174,39 @@ def test_a_kill_just_after_any_last_ckpt_of_an_epoch_resumes_to_the_whole_runs_r
     for killed in frozen:
         train(make_cfg("train", [*common, f"ckpt_path={killed / 'checkpoints' / 'last.ckpt'}"], subdir=killed.name))
         assert _rows(killed) == whole, killed.name
+
+
+class SigtermDuring(Callback):
+    """Sends this process SIGTERM while training batch ``batch`` of the first epoch runs."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.current_epoch == 0 and batch_idx == self.batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_one_process_sigterm_waits_for_the_validation_or_epoch_end_after_its_batch(make_cfg):
+    """Validation every 5 of 10 batches. A SIGTERM during batch 2 stops at its end; during batch 4 (a validation
+    follows) after that validation; during batch 9 (the epoch's last) at the epoch's end, after its training row.
+    Stopped earlier, the resume would skip the validation (Lightning fast-forwards it) or the row. Each stopped
+    run, resumed in its own dir, ends with the uninterrupted run's rows."""
+    common = ["model=toy", "data=toy", "++trainer.limit_train_batches=10", "trainer.max_epochs=2", "test=false",
+              "+trainer.val_check_interval=5", "last_ckpt_every_n_train_steps=1000"]
+    _, objects = train(make_cfg("train", common, subdir="whole"))
+    whole = _rows(Path(objects["trainer"].default_root_dir))
+    signalled = ["+callbacks.sigterm._target_=tests.test_last_checkpoint.SigtermDuring"]
+    for batch, saved_at in [(2, 3), (4, 5), (9, 10)]:
+        cfg = make_cfg("train", [*common, *signalled, f"+callbacks.sigterm.batch={batch}"], subdir=f"stopped_{batch}")
+        with pytest.raises((SIGTERMException, SystemExit)) as stop:
+            train(cfg)
+        assert stop.value.code == 128 + signal.SIGTERM
+        run_dir = Path(cfg.paths.output_dir)
+        last = run_dir / "checkpoints" / "last.ckpt"
+        assert torch.load(last, weights_only=False)["global_step"] == saved_at, batch
+        train(make_cfg("train", [*common, f"ckpt_path={last}"], subdir=f"stopped_{batch}"))
+        assert _rows(run_dir) == whole, batch
 
 
 class _TinyWithoutValidationData(_Tiny):

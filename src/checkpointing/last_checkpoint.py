@@ -7,11 +7,13 @@ intervals, kept an older ``last.ckpt`` than its final state. :class:`LastCheckpo
 ends, whatever the monitored metric did, and saves nothing else. A periodic save never falls between a step
 and the validation due after it (a resume from there would skip that validation): it waits for the
 validation's end, and on an epoch's last batch for the epoch's end. The epoch's training row reaches the
-loggers before the epoch's save (:func:`src.utils.lightning_compat.log_training_epoch_now`).
+loggers before the epoch's save (:func:`src.utils.lightning_compat.log_training_epoch_now`). A one-process
+stop signal noted at such a batch waits the same way (:meth:`LastCheckpoint.stop_after_this_batch`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ class LastCheckpoint(ModelCheckpoint):
         self.every_n_steps = every_n_train_steps
         self._saved_step = -1
         self._after_validation = False  # a periodic save waits for the validation after its step
+        self._stop: Callable[[], Any] | None = None  # a stop that waits for that validation, or the epoch's end
 
     @property
     def path(self) -> Path:
@@ -51,24 +54,47 @@ class LastCheckpoint(ModelCheckpoint):
             return
         # A save here, before the validation due after this batch, would make a resume skip that validation
         # (Lightning fast-forwards it): save after it. The epoch's last batch is saved at the epoch's end.
-        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        if self._is_last_batch(trainer):
             return
         if compat.validation_follows(trainer):
             self._after_validation = True
         else:
             self.save(trainer)
 
+    def stop_after_this_batch(self, trainer: L.Trainer, stop: Callable[[], Any]) -> bool:
+        """Take over a stop noted in ``on_train_batch_end`` (``stop`` saves ``last.ckpt`` and ends the run).
+
+        If a validation or the epoch's end follows this batch, ``stop`` runs in place of the save after them
+        and this returns True; otherwise nothing waits, and the caller stops now. Should that validation not
+        run (an empty validation set), the caller asks again at its next batch."""
+        if not (self._is_last_batch(trainer) or compat.validation_follows(trainer)):
+            return False
+        self._stop = stop
+        return True
+
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The epoch's training row goes to the loggers before its checkpoint: a kill between the two would
         # leave a resume (from the epoch's end) that never logs it. Its synced metrics are computed on every
         # rank here, before the save's collectives: one order on every rank.
         compat.log_training_epoch_now(trainer)
-        self.save(trainer)
+        self._save_or_stop(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._after_validation and not trainer.sanity_checking:  # the periodic save due before it
+        if trainer.sanity_checking or self._is_last_batch(trainer):  # an epoch's last validation: its end saves
+            return
+        if self._after_validation or self._stop is not None:  # the save, or the stop, that waited for it
             self._after_validation = False
-            self.save(trainer)
+            self._save_or_stop(trainer)
+
+    def _save_or_stop(self, trainer: L.Trainer) -> None:
+        stop, self._stop = self._stop, None
+        if stop is not None:
+            stop()  # saves last.ckpt here and ends the run
+        self.save(trainer)
+
+    @staticmethod
+    def _is_last_batch(trainer: L.Trainer) -> bool:
+        return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for logger in trainer.loggers:  # what the run logged is on disk before the checkpoint that ends it
