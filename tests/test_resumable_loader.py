@@ -70,6 +70,16 @@ def test_a_save_before_the_new_epochs_first_batch_holds_no_batch_of_it():
     assert epoch_batches(resumed, 1) == epoch_batches(make_loader(), 1)
 
 
+def test_a_restored_position_is_saved_again_before_it_is_skipped_to():
+    """Restored mid-epoch and saved again before the first batch: the same position, not the epoch's start."""
+    state = {"epoch": 2, "batches_done": 4, "global_batch": 4}
+    loader = make_loader()
+    loader.load_state_dict(state)
+    loader.sampler.set_epoch(2)
+    iter(loader)
+    assert loader.state_dict() == state
+
+
 @pytest.mark.parametrize("replicas", [2, 3, 6])
 def test_replicas_take_slices_of_the_one_process_global_batches(replicas):
     """Rank r's i-th batch is the r-th slice of the one-process run's i-th batch: the same samples in the same

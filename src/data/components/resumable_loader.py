@@ -70,11 +70,12 @@ class ResumableDataLoader(DataLoader):
         self._resume_at: tuple[int | None, int] | None = None  # (epoch, batches done) from a checkpoint
 
     def state_dict(self) -> dict[str, int | None]:
-        # Between the loop's set_epoch and the new epoch's first batch (an agreed stop at that batch's start
-        # saves there), the count is still the last epoch's: the new one has handed out nothing yet.
+        # Saved before an epoch's first batch (an agreed stop is made at a batch's start), the position is a
+        # restored one not yet skipped to, or the epoch's start: the count is still the last epoch's.
         epoch = getattr(self.sampler, "epoch", None)
-        done = self._batches_done if epoch == self._counted_epoch else 0
-        return {"epoch": epoch, "batches_done": done, "global_batch": self._global_batch()}
+        counted = self._resume_at or (self._counted_epoch, self._batches_done)
+        return {"epoch": epoch, "batches_done": counted[1] if counted[0] == epoch else 0,
+                "global_batch": self._global_batch()}
 
     def load_state_dict(self, state: dict[str, int | None]) -> None:
         epoch, done = state.get("epoch"), int(state.get("batches_done") or 0)
