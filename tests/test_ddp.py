@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from tests.helpers.config import ROOT, compose_cfg
+from tests.helpers.docs import docs_command
 from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers
 from tests.helpers.run_if import requires_2_gpus
@@ -246,24 +248,27 @@ def test_slurm_environment_detected(tmp_path):
 
 @pytest.mark.slow
 def test_multirun_sweep_with_ddp(tmp_path):
-    """`-m trainer=ddp trainer.devices=2 lr=a,b`: both jobs run, each job's ranks stay in its own dir."""
-    proc = run_entry(
-        "train", "-m", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "model.optimizer.lr=0.01,0.1",
-        "trainer.max_epochs=1", "++trainer.limit_train_batches=4", "++trainer.limit_val_batches=2",
-        "++trainer.limit_test_batches=2", "extras.print_config=false", f"hydra.sweep.dir={tmp_path}/sweep",
-        f"paths.log_dir={tmp_path}/logs", timeout=600,
+    """The docs' `-m trainer=ddp trainer.devices=2 lr=a,b`, shortened: every job runs, each job's ranks stay in its
+    own dir. It is this test that runs that docs command (tests/test_readme_commands.py)."""
+    command = shlex.split(docs_command("python src/train.py -m trainer=ddp "))
+    lrs = dict(arg.split("=", 1) for arg in command[3:])["model.optimizer.lr"].split(",")
+    proc = run_entry(  # the docs' arguments, then shorter ones
+        "train", *command[2:], "trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_train_batches=4",
+        "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2", "extras.print_config=false",
+        f"hydra.sweep.dir={tmp_path}/sweep", f"paths.log_dir={tmp_path}/logs", timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not re.search(r"^error:", proc.stderr, re.M), proc.stderr[-3000:]  # as the README test checks
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
-    assert jobs == ["0", "1"]
+    assert len(lrs) >= 2 and jobs == [str(job) for job in range(len(lrs))]
     for job in jobs:
         assert (tmp_path / "sweep" / job / "checkpoints" / "last.ckpt").is_file()
         overrides = (tmp_path / "sweep" / job / ".hydra" / "overrides.yaml").read_text()
-        assert f"model.optimizer.lr={['0.01', '0.1'][int(job)]}" in overrides
+        assert f"model.optimizer.lr={lrs[int(job)]}" in overrides
     # no rank replayed the sweep into its own run dirs (only the ranks' PID registry lives there)
     assert not (tmp_path / "logs").exists() or {p.name for p in (tmp_path / "logs").iterdir()} <= {".pids"}
     assert proc.stdout.count("Initializing distributed: GLOBAL_RANK: 1") + proc.stderr.count(
-        "Initializing distributed: GLOBAL_RANK: 1") == 2  # exactly one rank-1 child per job
+        "Initializing distributed: GLOBAL_RANK: 1") == len(jobs)  # exactly one rank-1 child per job
 
 
 
@@ -282,13 +287,15 @@ def test_sync_batchnorm_on_gpus(make_cfg):
 
 @pytest.mark.slow
 def test_torchrun_one_node(tmp_path):
-    """`torchrun --standalone --nproc_per_node=2 src/train.py trainer=ddp`: Lightning joins torchrun's ranks."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "src/train.py"),
-         "trainer=ddp", "trainer.devices=2", *TINY_RUN, f"paths.log_dir={tmp_path}/logs"],
+    """The docs' `torchrun --standalone --nproc_per_node=2 src/train.py trainer=ddp`, shortened: Lightning joins
+    torchrun's ranks. It is this test that runs that docs command (tests/test_readme_commands.py)."""
+    command = shlex.split(docs_command("torchrun --standalone --nproc_per_node=2 src/train.py trainer=ddp "))
+    proc = subprocess.run(  # the docs' arguments, then shorter ones (the last value wins)
+        [sys.executable, "-m", "torch.distributed.run", *command[1:], *TINY_RUN, f"paths.log_dir={tmp_path}/logs"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not re.search(r"^error:", proc.stderr, re.M), proc.stderr[-3000:]  # as the README test checks
     runs = list((tmp_path / "logs" / "train" / "runs").iterdir())
     assert len(runs) == 1 and "torchrun" in runs[0].name  # both ranks chose the same directory
     assert (runs[0] / "checkpoints" / "last.ckpt").is_file()

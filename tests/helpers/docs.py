@@ -22,3 +22,10 @@ def readme_commands() -> list[str]:
                 if COMMAND.match(line):
                     commands.append(line)
     return list(dict.fromkeys(commands))  # `make test` appears more than once
+
+
+def docs_command(start: str) -> str:
+    """The one command of the README and docs/ that starts with ``start``, as written. A test that runs it for
+    tests/test_readme_commands.py (RUN_ELSEWHERE) runs what the docs say, and follows them when they change."""
+    (command,) = [c for c in readme_commands() if c.startswith(start)]
+    return command
