@@ -5,6 +5,8 @@ rank starts. Real processes, 2 CPU ranks over gloo on loopback."""
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import pytest
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from tests.helpers.config import ROOT
+from tests.helpers.docs import docs_command
 from tests.helpers.entry import run_entry
 from tests.test_bad_input import error_line
 from tests.test_ddp import TINY_RUN
@@ -37,13 +40,15 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, overr
 
 @pytest.mark.slow
 def test_torchrun_one_node(tmp_path):
-    """`torchrun --standalone --nproc_per_node=2 src/train.py trainer=fsdp`: Lightning joins torchrun's ranks."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "src/train.py"),
-         *FSDP, *TINY_RUN, f"paths.log_dir={tmp_path}/logs"],
+    """The docs' `torchrun --standalone --nproc_per_node=2 src/train.py trainer=fsdp trainer.devices=2`, shortened:
+    Lightning joins torchrun's ranks. It is this test that runs that docs command (tests/test_readme_commands.py)."""
+    command = shlex.split(docs_command("torchrun --standalone --nproc_per_node=2 src/train.py trainer=fsdp "))
+    proc = subprocess.run(  # the docs' arguments, then shorter ones (the last value wins)
+        [sys.executable, "-m", "torch.distributed.run", *command[1:], *TINY_RUN, f"paths.log_dir={tmp_path}/logs"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not re.search(r"^error:", proc.stderr, re.M), proc.stderr[-3000:]  # as the README test checks
     (run,) = (tmp_path / "logs" / "train" / "runs").iterdir()
     assert "torchrun" in run.name  # both ranks chose the same directory
     assert sorted(p.name for p in (run / "checkpoints" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp",

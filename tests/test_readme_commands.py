@@ -37,6 +37,8 @@ RUN_ELSEWHERE = {
         "tests/test_bench.py::test_bench_writes_table_json_and_plots runs it and checks its table, JSON and plots",
     "torchrun --standalone --nproc_per_node=2 src/train.py trainer=ddp trainer.devices=2":
         "tests/test_ddp.py::test_torchrun_one_node runs it and checks that both ranks chose one run directory",
+    "torchrun --standalone --nproc_per_node=2 src/train.py trainer=fsdp trainer.devices=2":
+        "tests/test_fsdp_cli.py::test_torchrun_one_node runs it and checks one run directory with both ranks' shards",
     "python src/train.py -m trainer=ddp trainer.devices=2 model.optimizer.lr=0.01,0.1":
         "tests/test_ddp.py::test_multirun_sweep_with_ddp runs it and checks each job's dir, checkpoint and ranks",
 }
