@@ -41,6 +41,10 @@ RUN_ELSEWHERE = {
         "tests/test_fsdp_cli.py::test_torchrun_one_node runs it and checks one run directory with both ranks' shards",
     "python src/train.py -m trainer=ddp trainer.devices=2 model.optimizer.lr=0.01,0.1":
         "tests/test_ddp.py::test_multirun_sweep_with_ddp runs it and checks each job's dir, checkpoint and ranks",
+    "python src/train.py hparams_search=fashion_mnist_optuna trainer=ddp trainer.devices=2 hydra.sweeper.study_name=ddp":
+        "tests/test_sweeps.py::test_optuna_search_with_ddp runs it and checks each trial's ranks and the study",
+    "python src/train.py hparams_search=fashion_mnist_optuna hydra.sweeper.n_jobs=2 hydra.sweeper.study_name=two_at_a_time":
+        "tests/test_sweeps.py::test_trials_run_in_parallel_processes runs it and checks that the trials overlapped",
 }
 # Whole command -> why it is only dry-run (`make -n`: the target exists and expands).
 DRY_RUN = {

@@ -10,6 +10,8 @@ import csv
 import datetime as dt
 import math
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from omegaconf import OmegaConf
 
 from src.run.pid_file import registered_ranks
 from tests.helpers.config import ROOT
+from tests.helpers.docs import docs_command
 from tests.helpers.entry import run_entry
 
 TINY = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_train_batches=2",
@@ -32,6 +35,14 @@ QUICK = ["~callbacks.metric_plot", "++trainer.num_sanity_val_steps=0"]  # for se
 def search_command(tmp_path: Path, *overrides: str, sweep: str = "sweep") -> list[str]:
     """The overrides of a tiny search (``overrides`` after the tiny settings: they win)."""
     return [*TINY, *overrides, f"hydra.sweep.dir={tmp_path / sweep}", f"paths.log_dir={tmp_path}/logs"]
+
+
+def docs_search(start: str) -> tuple[list[str], str]:
+    """The overrides of the docs' search command that starts with ``start``, and its study's name. The test that
+    calls this runs that docs command (tests/test_readme_commands.py)."""
+    overrides = shlex.split(docs_command(start))[2:]  # after `python src/train.py`
+    names = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweeper.study_name=")]
+    return overrides, names[-1] if names else "fashion_mnist_mlp"
 
 
 def run_search(tmp_path: Path, *overrides: str, sweep: str = "sweep", timeout: int = 600):
@@ -64,13 +75,13 @@ def job_dirs(sweep: Path) -> list[Path]:
     return sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
 
 
-def study_in(sweep: Path, journal: Path | None = None):
+def study_in(sweep: Path, journal: Path | None = None, name: str = "fashion_mnist_mlp"):
     """The search's Optuna study, read from its journal file (in the sweep dir unless given)."""
     import optuna
 
     path = str(journal or sweep / "optuna.journal")
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
-    return optuna.load_study(study_name="fashion_mnist_mlp", storage=storage)
+    return optuna.load_study(study_name=name, storage=storage)
 
 
 @pytest.mark.fast
@@ -145,8 +156,11 @@ def test_pruned_trials_stop_early_and_never_count_as_best(tmp_path):
 
 @pytest.mark.slow
 def test_trials_run_in_parallel_processes(tmp_path):
-    """n_jobs=2 on CPU: two worker processes run a trial each at the same time, each in its dir, with its seed."""
-    proc, sweep = run_search(tmp_path, OPTUNA, "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2", timeout=300)
+    """The docs' n_jobs=2 search, 2 trials on CPU: two worker processes run a trial each at the same time, each in
+    its dir, with its seed. It is this test that runs that docs command (tests/test_readme_commands.py)."""
+    docs, name = docs_search(f"python src/train.py {OPTUNA} hydra.sweeper.n_jobs=")
+    proc, sweep = run_search(tmp_path, *docs, "hydra.sweeper.n_trials=2", timeout=300)
+    assert not re.search(r"^error:", proc.stderr, re.M), proc.stderr[-3000:]  # as the README test checks
     jobs = job_dirs(sweep)
     assert [j.name for j in jobs] == ["0", "1"]
     status = [OmegaConf.load(j / "status.yaml") for j in jobs]
@@ -161,7 +175,7 @@ def test_trials_run_in_parallel_processes(tmp_path):
     lrs = [o for ov in overrides for o in ov if o.startswith("model.optimizer.lr=")]
     assert len(set(lrs)) == 2  # each worker samples with its own seed: no duplicate trials
     assert proc.stdout.count("[search] study") == 1 and proc.stdout.count("[sweep] best of 2 jobs") == 1
-    assert {t.state.name for t in study_in(sweep).trials} == {"COMPLETE"}
+    assert {t.state.name for t in study_in(sweep, name=name).trials} == {"COMPLETE"}
 
 
 def wait_for_a_trial_mid_training(sweep: Path, proc: subprocess.Popen, timeout: float = 240) -> int:
@@ -237,10 +251,12 @@ def test_a_search_on_the_cross_validated_mean(tmp_path):
 
 @pytest.mark.slow
 def test_optuna_search_with_ddp(tmp_path):
-    """2 trials with trainer=ddp trainer.devices=2: each trial's two ranks stay in that trial's dir, and only
-    rank 0 reports to the study (one value per epoch)."""
-    proc, sweep = run_search(tmp_path, OPTUNA, "hydra.sweeper.n_trials=2", "trainer=ddp", "trainer.devices=2",
-                             "trainer.max_epochs=2", timeout=300)
+    """The docs' search with trainer=ddp trainer.devices=2, 2 trials of 2 epochs: each trial's two ranks stay in
+    that trial's dir, and only rank 0 reports to the study (one value per epoch). It is this test that runs that
+    docs command (tests/test_readme_commands.py)."""
+    docs, name = docs_search(f"python src/train.py {OPTUNA} trainer=ddp ")
+    proc, sweep = run_search(tmp_path, *docs, "hydra.sweeper.n_trials=2", "trainer.max_epochs=2", timeout=300)
+    assert not re.search(r"^error:", proc.stderr, re.M), proc.stderr[-3000:]  # as the README test checks
     jobs = job_dirs(sweep)
     assert [j.name for j in jobs] == ["0", "1"]
     for job in jobs:
@@ -251,7 +267,7 @@ def test_optuna_search_with_ddp(tmp_path):
     assert output.count("[search] study") == 1  # no child rank started a search
     assert output.count("Initializing distributed: GLOBAL_RANK: 1") == 2  # one rank-1 child per trial
     assert not (tmp_path / "logs" / "train").exists()  # no child rank started runs of its own
-    for trial, job in zip(study_in(sweep).trials, jobs, strict=True):
+    for trial, job in zip(study_in(sweep, name=name).trials, jobs, strict=True):
         assert trial.intermediate_values == pytest.approx(dict(logged(job)), abs=1e-7)
     best = OmegaConf.load(sweep / "best.yaml")
     assert best.value == pytest.approx(max(logged_best(j) for j in jobs), abs=1e-7)
