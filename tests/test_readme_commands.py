@@ -45,6 +45,8 @@ RUN_ELSEWHERE = {
         "tests/test_sweeps.py::test_optuna_search_with_ddp runs it and checks each trial's ranks and the study",
     "python src/train.py hparams_search=fashion_mnist_optuna hydra.sweeper.n_jobs=2 hydra.sweeper.study_name=two_at_a_time":
         "tests/test_sweeps.py::test_trials_run_in_parallel_processes runs it and checks that the trials overlapped",
+    "python -m src.collectives mode=check nproc=3":
+        "tests/test_collectives.py::test_entry_point_check_mode runs it and checks its report: no failed check",
 }
 # Whole command -> why it is only dry-run (`make -n`: the target exists and expands).
 DRY_RUN = {
