@@ -14,7 +14,7 @@ import torch
 from src.models.step_module import StepModule
 from src.train import train
 from tests.helpers.config import ROOT
-from tests.helpers.docs import readme_commands
+from tests.helpers.docs import docs_command
 
 
 def _log_every_step(self, name, metric, prog_bar=True):
@@ -36,8 +36,7 @@ def test_logging_metrics_once_per_epoch_gives_the_same_values(make_cfg, monkeypa
 
 def docs_bench_command() -> str:
     """The `python -m scripts.bench` command of docs/benchmarks.md, as written."""
-    (command,) = [c for c in readme_commands() if c.startswith("python -m scripts.bench --suite throughput,startup")]
-    return command
+    return docs_command("python -m scripts.bench --suite throughput,startup")
 
 
 @pytest.mark.slow
