@@ -191,15 +191,17 @@ class OwnedStep:
 
     def on_train_epoch_end(self) -> None:
         """ReduceLROnPlateau steps on the epoch's validation metric here, in either optimization mode: before the
-        epoch's checkpoint, once per epoch that ran all its batches (a resume that restarts at an epoch's end
-        does not step it again)."""
+        epoch's checkpoint, once per epoch that ran all its batches. Its own step count says whether this epoch's
+        step is made already (a resume from the epoch's end), not Lightning's restart flag, which stays up for
+        the whole of an epoch resumed mid-way."""
         trainer = self.trainer
-        if trainer.fit_loop.restarting or not compat.epoch_ran_to_end(trainer):
+        if not compat.epoch_ran_to_end(trainer):
             return
         for config in trainer.lr_scheduler_configs:
             if not (isinstance(config.scheduler, ReduceLROnPlateau) and config.interval == "epoch"):
                 continue
-            if (trainer.current_epoch + 1) % config.frequency:
+            due = (trainer.current_epoch + 1) // config.frequency  # the steps made by the end of this epoch
+            if (trainer.current_epoch + 1) % config.frequency or config.scheduler.last_epoch >= due:
                 continue
             monitor = config.monitor or self.scheduler_monitor
             value = trainer.callback_metrics.get(monitor)
