@@ -177,36 +177,59 @@ def test_a_kill_just_after_any_last_ckpt_of_an_epoch_resumes_to_the_whole_runs_r
 
 
 class SigtermDuring(Callback):
-    """Sends this process SIGTERM while training batch ``batch`` of the first epoch runs."""
+    """Sends this process SIGTERM while training batch ``batch`` of epoch ``epoch`` runs."""
 
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
+    def __init__(self, batch: int, epoch: int = 0) -> None:
+        self.batch, self.epoch = batch, epoch
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.current_epoch == 0 and batch_idx == self.batch:
+        if trainer.current_epoch == self.epoch and batch_idx == self.batch:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_a_one_process_sigterm_waits_for_the_validation_or_epoch_end_after_its_batch(make_cfg):
-    """Validation every 5 of 10 batches. A SIGTERM during batch 2 stops at its end; during batch 4 (a validation
-    follows) after that validation; during batch 9 (the epoch's last) at the epoch's end, after its training row.
-    Stopped earlier, the resume would skip the validation (Lightning fast-forwards it) or the row. Each stopped
-    run, resumed in its own dir, ends with the uninterrupted run's rows."""
-    common = ["model=toy", "data=toy", "++trainer.limit_train_batches=10", "trainer.max_epochs=2", "test=false",
-              "+trainer.val_check_interval=5", "last_ckpt_every_n_train_steps=1000"]
+def _final_state(run_dir: Path) -> tuple[int, dict, list[dict[str, str]]]:
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    return saved["global_step"], saved["state_dict"], _rows(run_dir)
+
+
+TEN_BATCHES = ["model=toy", "data=toy", "++trainer.limit_train_batches=10", "test=false",
+               "last_ckpt_every_n_train_steps=1000"]
+HALVES = "model.scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,factor:0.5,patience:0,threshold:100,threshold_mode:abs}"
+
+
+@pytest.mark.parametrize(("overrides", "epoch", "batch", "saved_at"), [
+    pytest.param(["+trainer.val_check_interval=5"], 0, 2, 3, id="nothing-follows"),
+    pytest.param(["+trainer.val_check_interval=5"], 0, 4, 5, id="a-validation-follows"),
+    pytest.param(["+trainer.val_check_interval=5"], 0, 9, 10, id="the-epochs-last-batch"),
+    pytest.param(["+trainer.val_check_interval=5", "trainer.min_epochs=0",
+                  "+callbacks.early_stopping.stopping_threshold=1e9"], 0, 4, 5, id="early-stopping-at-that-validation"),
+    pytest.param(["+callbacks.early_stopping.stopping_threshold=1e9"], 0, 9, 10, id="early-stopping-at-the-epochs-end"),
+    pytest.param(["+trainer.max_steps=7"], 0, 6, 7, id="the-max-steps-batch"),
+    pytest.param([HALVES], 1, 2, 13, id="a-plateau-scheduler-mid-epoch"),
+])
+def test_a_one_process_sigterm_stop_resumes_to_the_uninterrupted_run(make_cfg, overrides, epoch, batch, saved_at):
+    """SIGTERM during one batch (validation every 5 of 10 where set). The stop waits for a validation or the
+    epoch's end that follows the batch (a save before them made the resume skip them); where early stopping or
+    the max_steps stop ends the fit there, for the fit's final save (a resume from before it trained on). The
+    stopped run, resumed in its own dir, ends with the uninterrupted run's step, weights and CSV rows (a
+    plateau scheduler's step at the end of an epoch resumed mid-way included)."""
+    common = [*TEN_BATCHES, "trainer.max_epochs=3", *overrides]
     _, objects = train(make_cfg("train", common, subdir="whole"))
-    whole = _rows(Path(objects["trainer"].default_root_dir))
-    signalled = ["+callbacks.sigterm._target_=tests.test_last_checkpoint.SigtermDuring"]
-    for batch, saved_at in [(2, 3), (4, 5), (9, 10)]:
-        cfg = make_cfg("train", [*common, *signalled, f"+callbacks.sigterm.batch={batch}"], subdir=f"stopped_{batch}")
-        with pytest.raises((SIGTERMException, SystemExit)) as stop:
-            train(cfg)
-        assert stop.value.code == 128 + signal.SIGTERM
-        run_dir = Path(cfg.paths.output_dir)
-        last = run_dir / "checkpoints" / "last.ckpt"
-        assert torch.load(last, weights_only=False)["global_step"] == saved_at, batch
-        train(make_cfg("train", [*common, f"ckpt_path={last}"], subdir=f"stopped_{batch}"))
-        assert _rows(run_dir) == whole, batch
+    whole = _final_state(Path(objects["trainer"].default_root_dir))
+    signalled = ["+callbacks.sigterm._target_=tests.test_last_checkpoint.SigtermDuring",
+                 f"+callbacks.sigterm.batch={batch}", f"+callbacks.sigterm.epoch={epoch}"]
+    cfg = make_cfg("train", [*common, *signalled], subdir="stopped")
+    with pytest.raises((SIGTERMException, SystemExit)) as stop:
+        train(cfg)
+    assert stop.value.code == 128 + signal.SIGTERM
+    run_dir = Path(cfg.paths.output_dir)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == saved_at
+    train(make_cfg("train", [*common, f"ckpt_path={last}"], subdir="stopped"))
+    step, weights, rows = _final_state(run_dir)
+    assert step == whole[0]
+    assert all(torch.equal(weights[k], whole[1][k]) for k in whole[1])
+    assert rows == whole[2]
 
 
 class _TinyWithoutValidationData(_Tiny):
@@ -224,3 +247,16 @@ def test_a_save_that_waited_for_a_validation_that_did_not_run_is_made_a_step_lat
     trainer.fit(_TinyWithoutValidationData())
     steps = [torch.load(path, weights_only=False)["global_step"] for path, _ in keep.kept]
     assert validations.count == 0 and steps == [5, 8, 13, 16, 16]
+
+
+def test_a_stop_that_waited_for_a_validation_that_did_not_run_is_made_a_step_later(tmp_path):
+    """An empty validation set due after every batch: the stop noted at batch 1 waits once, then is made (it
+    waited for the epoch's end, 8 batches on, before)."""
+    from src.checkpointing.required import resume_callbacks
+
+    trainer = L.Trainer(max_epochs=2, val_check_interval=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
+                        callbacks=[*resume_callbacks(tmp_path), SigtermDuring(batch=1)])
+    with pytest.raises((SIGTERMException, SystemExit)):
+        trainer.fit(_TinyWithoutValidationData())
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3

@@ -8,7 +8,7 @@ ends, whatever the monitored metric did, and saves nothing else. A periodic save
 and the validation due after it (a resume from there would skip that validation): it waits for the
 validation's end, and on an epoch's last batch for the epoch's end. The epoch's training row reaches the
 loggers before the epoch's save (:func:`src.utils.lightning_compat.log_training_epoch_now`). A one-process
-stop signal noted at such a batch waits the same way (:meth:`LastCheckpoint.stop_after_this_batch`).
+stop signal noted at such a batch waits the same way (:meth:`LastCheckpoint.stop_at_next_save_point`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from src.run.status import CHECKPOINT_DIR
 from src.utils import lightning_compat as compat
+from src.utils.pylogger import RankedLogger
+
+log = RankedLogger(__name__)
 
 LAST_NAME = f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
 
@@ -36,17 +39,40 @@ class LastCheckpoint(ModelCheckpoint):
         self.every_n_steps = every_n_train_steps
         self._saved_step = -1
         self._after_validation = False  # a periodic save waits for the validation after its step
-        self._stop: Callable[[], Any] | None = None  # a stop that waits for that validation, or the epoch's end
+        self._stop: Callable[[], Any] | None = None  # a stop signal's stop, made at the next save point
+        self._stop_waited = False  # ... which it has waited for since an earlier batch
+        self._stopped_early_under: list | None = None  # the final save of a fit that ended on should_stop: its limits
+        self._resumed_stopped_early_under: list | None = None
 
     @property
     def path(self) -> Path:
         return Path(self.dirpath) / LAST_NAME
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "stopped_early_under": self._stopped_early_under}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._resumed_stopped_early_under = state_dict.get("stopped_early_under")
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._saved_step = trainer.global_step  # a resumed fit holds that step already
+        # The final save of a fit that early stopping, pruning, max_time or the max_steps stop ended: Lightning does
+        # not keep should_stop, so a resume from it (a kill before the run was marked finished) trained on.
+        if self._resumed_stopped_early_under is not None and self._resumed_stopped_early_under == _limits(trainer):
+            trainer.should_stop = True
+            log.info(f"Resumed the end of a fit that stopped early at epoch {trainer.current_epoch}, global step "
+                     f"{trainer.global_step}: nothing is left to train (a larger trainer.max_epochs or max_steps "
+                     "trains on)")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        # Here, after every other callback (Lightning runs checkpoint callbacks last): the max_steps stop and the
+        # Timer have set should_stop, which makes a validation follow this batch.
+        if self._stop is not None:
+            if self._stop_waited or not (self._is_last_batch(trainer) or compat.validation_follows(trainer)):
+                self._make_stop()  # nothing to wait for, or what it waited for did not run (an empty validation set)
+            self._stop_waited = True
         # also a save that waited for a validation which did not run (an empty validation set): made one step late
         due = self._after_validation or (self.every_n_steps and trainer.global_step % self.every_n_steps == 0)
         self._after_validation = False
@@ -61,16 +87,11 @@ class LastCheckpoint(ModelCheckpoint):
         else:
             self.save(trainer)
 
-    def stop_after_this_batch(self, trainer: L.Trainer, stop: Callable[[], Any]) -> bool:
-        """Take over a stop noted in ``on_train_batch_end`` (``stop`` saves ``last.ckpt`` and ends the run).
-
-        If a validation or the epoch's end follows this batch, ``stop`` runs in place of the save after them
-        and this returns True; otherwise nothing waits, and the caller stops now. Should that validation not
-        run (an empty validation set), the caller asks again at its next batch."""
-        if not (self._is_last_batch(trainer) or compat.validation_follows(trainer)):
-            return False
-        self._stop = stop
-        return True
+    def stop_at_next_save_point(self, stop: Callable[[], Any]) -> None:
+        """Make a stop noted in ``on_train_batch_end`` (``stop`` saves ``last.ckpt`` and ends the run) at the end of
+        this batch, or, where a validation or the epoch's end follows it, in place of the save after them."""
+        if self._stop is None:
+            self._stop, self._stop_waited = stop, False
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The epoch's training row goes to the loggers before its checkpoint: a kill between the two would
@@ -86,20 +107,23 @@ class LastCheckpoint(ModelCheckpoint):
             self._after_validation = False
             self._save_or_stop(trainer)
 
-    def _save_or_stop(self, trainer: L.Trainer) -> None:
-        stop, self._stop = self._stop, None
-        if stop is not None:
-            stop()  # saves last.ckpt here and ends the run
-        self.save(trainer)
-
-    @staticmethod
-    def _is_last_batch(trainer: L.Trainer) -> bool:
-        return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for logger in trainer.loggers:  # what the run logged is on disk before the checkpoint that ends it
             logger.save()
         self.save(trainer, final=True)  # also after an epoch-end save: the loops now count that epoch as done
+        if self._stop is not None:  # the fit ended where a stop waited: the stop keeps the final save
+            self._make_stop()
+
+    def _save_or_stop(self, trainer: L.Trainer) -> None:
+        # Where should_stop ends the fit here (early stopping, pruning), the stop waits for the fit's final save:
+        # a stop before it would leave a resume that trains on.
+        if self._stop is not None and not trainer.should_stop:
+            self._make_stop()
+        self.save(trainer)
+
+    def _make_stop(self) -> None:
+        stop, self._stop = self._stop, None
+        stop()  # saves last.ckpt here and ends the run
 
     def save(self, trainer: L.Trainer, final: bool = False) -> None:
         """Write ``last.ckpt`` on every rank's call (rank 0 writes): once per global step, and when fit ends."""
@@ -107,9 +131,19 @@ class LastCheckpoint(ModelCheckpoint):
             return
         if trainer.global_step == self._saved_step and not final:  # e.g. the epoch's end right after its step
             return
+        self._stopped_early_under = _limits(trainer) if final and trainer.should_stop else None
         trainer.save_checkpoint(self.path, weights_only=False)
         self.last_model_path = str(self.path)
         self._saved_step = trainer.global_step
+
+    @staticmethod
+    def _is_last_batch(trainer: L.Trainer) -> bool:
+        return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
+
+def _limits(trainer: L.Trainer) -> list:
+    """The limits a fit ran under: a resume under others (a larger max_epochs) means to train on."""
+    return [trainer.max_epochs, trainer.max_steps]
 
 
 def last_checkpoint_path(trainer: L.Trainer) -> Path:

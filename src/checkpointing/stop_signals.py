@@ -41,5 +41,7 @@ class StopSignals(Callback):
     def _stop(trainer: L.Trainer, signum: int) -> None:
         # Without a LastCheckpoint (a hand-built Trainer that left it out) the stop is made at this batch.
         owner = next((cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)), None)
-        if owner is None or not owner.stop_after_this_batch(trainer, lambda: stop_for_preemption(trainer, signum)):
+        if owner is None:
             stop_for_preemption(trainer, signum)
+        else:
+            owner.stop_at_next_save_point(lambda: stop_for_preemption(trainer, signum))
