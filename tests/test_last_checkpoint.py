@@ -260,3 +260,23 @@ def test_a_stop_that_waited_for_a_validation_that_did_not_run_is_made_a_step_lat
     with pytest.raises((SIGTERMException, SystemExit)):
         trainer.fit(_TinyWithoutValidationData())
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+
+
+@pytest.mark.parametrize("mine_first", [True, False])
+def test_a_checkpoint_callback_after_last_checkpoint_is_named(tmp_path, caplog, mine_first):
+    """A hand-built Trainer: a ModelCheckpoint after LastCheckpoint would miss the validation a stop is made at."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from src.checkpointing.required import resume_callbacks
+
+    mine = [ModelCheckpoint(dirpath=tmp_path / "best")]
+    callbacks = [*mine, *resume_callbacks(tmp_path)] if mine_first else [*resume_callbacks(tmp_path), *mine]
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks)
+    with caplog.at_level("WARNING"):
+        trainer.fit(_Tiny())
+    named = [r.getMessage() for r in caplog.records if "after LastCheckpoint" in r.getMessage()]
+    if mine_first:
+        assert not named
+    else:
+        assert len(named) == 1 and named[0].startswith("ModelCheckpoint"), named

@@ -55,6 +55,13 @@ class LastCheckpoint(ModelCheckpoint):
         super().load_state_dict(state_dict)
         self._resumed_stopped_early_under = state_dict.get("stopped_early_under")
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        later = [type(cb).__name__ for cb in trainer.checkpoint_callbacks[trainer.checkpoint_callbacks.index(self) + 1:]]
+        if later and stage == "fit":  # they would see a validation or epoch end after the save (or stop) this callback makes there
+            log.warning(f"{', '.join(later)} come(s) after LastCheckpoint: put your callbacks first, e.g. "
+                        "callbacks=[*mine, *resume_callbacks(run_dir)]")
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._saved_step = trainer.global_step  # a resumed fit holds that step already
         # The final save of a fit that early stopping, pruning, max_time or the max_steps stop ended: Lightning does
