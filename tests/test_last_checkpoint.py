@@ -205,6 +205,13 @@ HALVES = "model.scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_
                   "+callbacks.early_stopping.stopping_threshold=1e9"], 0, 4, 5, id="early-stopping-at-that-validation"),
     pytest.param(["+callbacks.early_stopping.stopping_threshold=1e9"], 0, 9, 10, id="early-stopping-at-the-epochs-end"),
     pytest.param(["+trainer.max_steps=7"], 0, 6, 7, id="the-max-steps-batch"),
+    # early stopping fires at epoch 0's validation only (val/loss 10.44, then 10.28): min_epochs keeps the fit going
+    pytest.param(["trainer.min_epochs=2", "+callbacks.early_stopping.divergence_threshold=10.35"], 0, 9, 10,
+                 id="early-stopping-before-min-epochs"),
+    pytest.param(["trainer.min_epochs=2", "+trainer.val_check_interval=1",
+                  "+callbacks.early_stopping.stopping_threshold=1e9",
+                  "+callbacks.early_stopping.check_on_train_epoch_end=false"], 0, 4, 5,
+                 id="early-stopping-at-that-validation-before-min-epochs"),
     pytest.param([HALVES], 1, 2, 13, id="a-plateau-scheduler-mid-epoch"),
 ])
 def test_a_one_process_sigterm_stop_resumes_to_the_uninterrupted_run(make_cfg, overrides, epoch, batch, saved_at):
@@ -280,3 +287,19 @@ def test_a_checkpoint_callback_after_last_checkpoint_is_named(tmp_path, caplog, 
         assert not named
     else:
         assert len(named) == 1 and named[0].startswith("ModelCheckpoint"), named
+
+
+def test_an_early_stopped_fit_resumed_from_its_end_trains_on_only_under_a_larger_limit(make_cfg):
+    """Lightning does not keep should_stop: resumed from the final last.ckpt, an early-stopped fit trained on to
+    the next validation. Now it stops at once under the same limits, also with another save interval (the
+    callback's state is found whatever its settings), and trains on under a larger max_epochs."""
+    common = [*TEN_BATCHES[:-1], "+trainer.val_check_interval=5", "trainer.min_epochs=0",
+              "+callbacks.early_stopping.stopping_threshold=1e9"]
+    _, objects = train(make_cfg("train", [*common, "trainer.max_epochs=3", "last_ckpt_every_n_train_steps=1000"],
+                                subdir="stopped"))
+    assert objects["trainer"].global_step == 5  # early stopping, at the first validation
+    last = Path(objects["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    for limit, steps in [("trainer.max_epochs=3", 5), ("trainer.max_epochs=4", 10)]:
+        _, resumed = train(make_cfg("train", [*common, limit, "last_ckpt_every_n_train_steps=7", f"ckpt_path={last}"],
+                                    subdir=limit))
+        assert resumed["trainer"].global_step == steps, limit

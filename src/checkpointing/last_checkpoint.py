@@ -41,19 +41,25 @@ class LastCheckpoint(ModelCheckpoint):
         self._after_validation = False  # a periodic save waits for the validation after its step
         self._stop: Callable[[], Any] | None = None  # a stop signal's stop, made at the next save point
         self._stop_waited = False  # ... which it has waited for since an earlier batch
-        self._stopped_early_under: list | None = None  # the final save of a fit that ended on should_stop: its limits
-        self._resumed_stopped_early_under: list | None = None
+        self._stopping_under: list | None = None  # saved while should_stop was set: the fit's limits then
+        self._resumed_stopping_under: list | None = None
 
     @property
     def path(self) -> Path:
         return Path(self.dirpath) / LAST_NAME
 
+    @property
+    def state_key(self) -> str:
+        # ModelCheckpoint's key holds the save interval: a relaunch with another interval would not get this
+        # state back (and Lightning would build the key at every hook it calls)
+        return type(self).__name__
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "stopped_early_under": self._stopped_early_under}
+        return {**super().state_dict(), "stopping_under": self._stopping_under}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._resumed_stopped_early_under = state_dict.get("stopped_early_under")
+        self._resumed_stopping_under = state_dict.get("stopping_under")
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -64,13 +70,13 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._saved_step = trainer.global_step  # a resumed fit holds that step already
-        # The final save of a fit that early stopping, pruning, max_time or the max_steps stop ended: Lightning does
-        # not keep should_stop, so a resume from it (a kill before the run was marked finished) trained on.
-        if self._resumed_stopped_early_under is not None and self._resumed_stopped_early_under == _limits(trainer):
+        # Saved while early stopping, pruning or a limit was stopping the fit: Lightning does not keep should_stop,
+        # so a resume from there (a stop signal's, or a kill's before the run was marked finished) trained on.
+        if self._resumed_stopping_under is not None and self._resumed_stopping_under == _limits(trainer):
             trainer.should_stop = True
-            log.info(f"Resumed the end of a fit that stopped early at epoch {trainer.current_epoch}, global step "
-                     f"{trainer.global_step}: nothing is left to train (a larger trainer.max_epochs or max_steps "
-                     "trains on)")
+            log.info(f"last.ckpt was saved while the fit was stopping (early stopping, pruning or a limit), at epoch "
+                     f"{trainer.current_epoch}, global step {trainer.global_step}: the resumed fit stops where it would "
+                     "have (a larger trainer.max_epochs, max_steps or max_time trains on)")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -78,7 +84,7 @@ class LastCheckpoint(ModelCheckpoint):
         # Timer have set should_stop, which makes a validation follow this batch.
         if self._stop is not None:
             if self._stop_waited or not (self._is_last_batch(trainer) or compat.validation_follows(trainer)):
-                self._make_stop()  # nothing to wait for, or what it waited for did not run (an empty validation set)
+                self._make_stop(trainer)  # nothing to wait for, or what it waited for did not run (an empty validation set)
             self._stop_waited = True
         # also a save that waited for a validation which did not run (an empty validation set): made one step late
         due = self._after_validation or (self.every_n_steps and trainer.global_step % self.every_n_steps == 0)
@@ -119,18 +125,22 @@ class LastCheckpoint(ModelCheckpoint):
             logger.save()
         self.save(trainer, final=True)  # also after an epoch-end save: the loops now count that epoch as done
         if self._stop is not None:  # the fit ended where a stop waited: the stop keeps the final save
-            self._make_stop()
+            self._make_stop(trainer)
 
     def _save_or_stop(self, trainer: L.Trainer) -> None:
-        # Where should_stop ends the fit here (early stopping, pruning), the stop waits for the fit's final save:
-        # a stop before it would leave a resume that trains on.
-        if self._stop is not None and not trainer.should_stop:
-            self._make_stop()
+        # Where should_stop ends the fit here (early stopping, pruning), the stop waits for the fit's final save.
+        if self._stop is not None and not compat.fit_ends_on_should_stop(trainer):
+            self._make_stop(trainer)
         self.save(trainer)
 
-    def _make_stop(self) -> None:
+    def _make_stop(self, trainer: L.Trainer) -> None:
         stop, self._stop = self._stop, None
+        self._note_stopping(trainer)
         stop()  # saves last.ckpt here and ends the run
+
+    def _note_stopping(self, trainer: L.Trainer) -> None:
+        """What the next checkpoint says of should_stop (see :meth:`on_train_start`)."""
+        self._stopping_under = _limits(trainer) if trainer.should_stop else None
 
     def save(self, trainer: L.Trainer, final: bool = False) -> None:
         """Write ``last.ckpt`` on every rank's call (rank 0 writes): once per global step, and when fit ends."""
@@ -138,7 +148,7 @@ class LastCheckpoint(ModelCheckpoint):
             return
         if trainer.global_step == self._saved_step and not final:  # e.g. the epoch's end right after its step
             return
-        self._stopped_early_under = _limits(trainer) if final and trainer.should_stop else None
+        self._note_stopping(trainer)
         trainer.save_checkpoint(self.path, weights_only=False)
         self.last_model_path = str(self.path)
         self._saved_step = trainer.global_step
@@ -150,7 +160,7 @@ class LastCheckpoint(ModelCheckpoint):
 
 def _limits(trainer: L.Trainer) -> list:
     """The limits a fit ran under: a resume under others (a larger max_epochs) means to train on."""
-    return [trainer.max_epochs, trainer.max_steps]
+    return [trainer.max_epochs, trainer.max_steps, *compat.timer_limits(trainer)]
 
 
 def last_checkpoint_path(trainer: L.Trainer) -> Path:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities import distributed as fabric_distributed
 from lightning.fabric.utilities import optimizer as fabric_optimizer
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops import fit_loop, training_epoch_loop
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
@@ -118,6 +119,8 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: training_epoch_loop._TrainingEpochLoop, "_should_check_val_fx",
      "no periodic last.ckpt between a step and the validation due after it"),
     (lambda: fit_loop, "_FitLoop", "no periodic last.ckpt between a step and the validation due after it"),
+    (lambda: fit_loop._FitLoop, "_can_stop_early", "a stop signal waiting for the fit's final save"),
+    (lambda: SetInInit(Timer), "_duration", "a fit stopped by max_time, resumed under the same limit"),
     (lambda: SetInInit(fit_loop._FitLoop), "_data_fetcher",
      "no periodic last.ckpt between a step and the validation due after it"),
     (lambda: SetInInit(Trainer), "_logger_connector", "an epoch's training row written before its last.ckpt"),
@@ -402,6 +405,17 @@ def validation_follows(trainer: Trainer) -> bool:
     was due at the batch a fit restarts from."""
     loop = trainer.fit_loop
     return loop._data_fetcher is not None and loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
+
+
+def fit_ends_on_should_stop(trainer: Trainer) -> bool:
+    """Whether ``should_stop`` ends the fit at its next check: Lightning honours it once ``min_epochs`` and
+    ``min_steps`` are met, and trains on until then."""
+    return trainer.should_stop and trainer.fit_loop._can_stop_early
+
+
+def timer_limits(trainer: Trainer) -> list[float | None]:
+    """The ``max_time`` of each of the trainer's Timer callbacks, in seconds."""
+    return [cb._duration for cb in trainer.callbacks if isinstance(cb, Timer)]
 
 
 def log_training_epoch_now(trainer: Trainer) -> None:
