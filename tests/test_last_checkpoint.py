@@ -197,6 +197,7 @@ TEN_BATCHES = ["model=toy", "data=toy", "++trainer.limit_train_batches=10", "tes
 HALVES = "model.scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,factor:0.5,patience:0,threshold:100,threshold_mode:abs}"
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(("overrides", "epoch", "batch", "saved_at"), [
     pytest.param(["+trainer.val_check_interval=5"], 0, 2, 3, id="nothing-follows"),
     pytest.param(["+trainer.val_check_interval=5"], 0, 4, 5, id="a-validation-follows"),
@@ -256,6 +257,7 @@ def test_a_save_that_waited_for_a_validation_that_did_not_run_is_made_a_step_lat
     assert validations.count == 0 and steps == [5, 8, 13, 16, 16]
 
 
+@pytest.mark.faults
 def test_a_stop_that_waited_for_a_validation_that_did_not_run_is_made_a_step_later(tmp_path):
     """An empty validation set due after every batch: the stop noted at batch 1 waits once, then is made (it
     waited for the epoch's end, 8 batches on, before)."""
@@ -289,6 +291,7 @@ def test_a_checkpoint_callback_after_last_checkpoint_is_named(tmp_path, caplog, 
         assert len(named) == 1 and named[0].startswith("ModelCheckpoint"), named
 
 
+@pytest.mark.faults
 def test_an_early_stopped_fit_resumed_from_its_end_trains_on_only_under_a_larger_limit(make_cfg):
     """Lightning does not keep should_stop: resumed from the final last.ckpt, an early-stopped fit trained on to
     the next validation. Now it stops at once under the same limits, also with another save interval (the
