@@ -5,7 +5,6 @@ rank starts. Real processes, 2 CPU ranks over gloo on loopback."""
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from tests.helpers.config import ROOT
-from tests.helpers.docs import docs_command
+from tests.helpers.docs import assert_no_error_line, docs_command
 from tests.helpers.entry import run_entry
 from tests.test_bad_input import error_line
 from tests.test_ddp import TINY_RUN
@@ -48,7 +47,7 @@ def test_torchrun_one_node(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not re.search(r"^error:", proc.stderr, re.M), proc.stderr[-3000:]  # as the README test checks
+    assert_no_error_line(proc.stderr)
     (run,) = (tmp_path / "logs" / "train" / "runs").iterdir()
     assert "torchrun" in run.name  # both ranks chose the same directory
     assert sorted(p.name for p in (run / "checkpoints" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp",

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.config import ROOT
-from tests.helpers.docs import readme_commands
+from tests.helpers.docs import assert_no_error_line, readme_commands
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +185,7 @@ def test_readme_command_runs(command, tmp_path, request):
         args = _run_overrides(command, tmp_path / "logs", request)
     proc = _shell(_make(command, args) if command.startswith("make ") else f"{command} {' '.join(args)}")
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    assert not re.search(r"^error:", proc.stderr, re.M), proc.stderr[-3000:]
+    assert_no_error_line(proc.stderr)
 
 
 def test_readme_commands_are_found():

@@ -29,3 +29,8 @@ def docs_command(start: str) -> str:
     tests/test_readme_commands.py (RUN_ELSEWHERE) runs what the docs say, and follows them when they change."""
     (command,) = [c for c in readme_commands() if c.startswith(start)]
     return command
+
+
+def assert_no_error_line(stderr: str) -> None:
+    """A docs command that ran as written printed no ``error: ...`` line (the project's one-line refusals)."""
+    assert not re.search(r"^error:", stderr, re.M), stderr[-3000:]
