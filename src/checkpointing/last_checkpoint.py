@@ -63,8 +63,12 @@ class LastCheckpoint(ModelCheckpoint):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        later = [type(cb).__name__ for cb in trainer.checkpoint_callbacks[trainer.checkpoint_callbacks.index(self) + 1:]]
-        if later and stage == "fit":  # they would see a validation or epoch end after the save (or stop) this callback makes there
+        if stage != "fit":
+            return
+        # A checkpoint callback after this one sees a validation or an epoch's end after the save (or stop) made there
+        checkpoints = trainer.checkpoint_callbacks
+        later = [type(cb).__name__ for cb in checkpoints[checkpoints.index(self) + 1:]]
+        if later:
             log.warning(f"{', '.join(later)} come(s) after LastCheckpoint: put your callbacks first, e.g. "
                         "callbacks=[*mine, *resume_callbacks(run_dir)]")
 

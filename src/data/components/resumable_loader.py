@@ -72,7 +72,7 @@ class ResumableDataLoader(DataLoader):
     def state_dict(self) -> dict[str, int | None]:
         # Saved before an epoch's first batch (an agreed stop is made at a batch's start), the position is a
         # restored one not yet skipped to, or the epoch's start: the count is still the last epoch's.
-        epoch = getattr(self.sampler, "epoch", None)
+        epoch = self._epoch()
         counted = self._resume_at or (self._counted_epoch, self._batches_done)
         return {"epoch": epoch, "batches_done": counted[1] if counted[0] == epoch else 0,
                 "global_batch": self._global_batch()}
@@ -87,6 +87,9 @@ class ResumableDataLoader(DataLoader):
             self.sampler.set_epoch(epoch)
         self._resume_at = (epoch, done)
 
+    def _epoch(self) -> int | None:
+        return getattr(self.sampler, "epoch", None)
+
     def _global_batch(self) -> int | None:
         return getattr(self.sampler, "global_batch", None)
 
@@ -94,8 +97,9 @@ class ResumableDataLoader(DataLoader):
         # Runs at the first next(), after the loop set this epoch. A checkpoint taken at the end of an
         # epoch restores a position the loop never iterates again: it must not skip the next epoch's batches.
         resume_at, self._resume_at = self._resume_at, None
-        skip = resume_at[1] if resume_at and resume_at[0] == getattr(self.sampler, "epoch", None) else 0
-        self._batches_done, self._counted_epoch = 0, getattr(self.sampler, "epoch", None)
+        epoch = self._epoch()
+        skip = resume_at[1] if resume_at and resume_at[0] == epoch else 0
+        self._batches_done, self._counted_epoch = 0, epoch
         batches = super().__iter__()
         for _ in range(skip):
             if next(batches, None) is None:
