@@ -113,3 +113,21 @@ def test_fast_hook_name_writes_bypass_module_setattr():
     module = RegressionModule(ToyNet(), optimizer=None)
     module._current_fx_name = "training_step"
     assert module.__dict__["_current_fx_name"] == "training_step"
+
+
+def _no_library(name: str) -> None:
+    raise OSError(f"{name}: cannot open shared object file")
+
+
+@pytest.mark.fast
+def test_the_nvml_switch_is_dropped_only_where_nvml_cannot_load(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    assert not compat.skip_nvml_check_without_nvml(load=lambda name: object())  # NVML loads: the switch stays
+    assert compat.os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+    answer = torch.cuda.is_available()
+    assert compat.skip_nvml_check_without_nvml(load=_no_library)
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in compat.os.environ
+    assert torch.cuda.is_available() == answer  # the CUDA runtime gives the answer either way
+    assert not compat.skip_nvml_check_without_nvml(load=_no_library)  # not set: nothing to drop

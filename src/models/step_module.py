@@ -172,6 +172,7 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         self.log(f"val/{self.best_of}_best", best.compute(), sync_dist=True, prog_bar=True)
 
     def setup(self, stage: str) -> None:
+        compat.skip_nvml_check_without_nvml()  # the optimizer's per-step CUDA check, cheap where NVML is missing
         if self.hparams.float32_matmul_precision:
             torch.set_float32_matmul_precision(self.hparams.float32_matmul_precision)
         if self.hparams.channels_last and self.trainer.strategy.root_device.type == "cuda":

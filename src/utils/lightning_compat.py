@@ -11,7 +11,9 @@ with one line naming the version and the feature, never a silent no-op.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -299,6 +301,29 @@ class FastHookName:
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
+
+
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch: ask NVML, not the CUDA runtime, whether CUDA is there
+_NVML_LIBRARY = "libnvidia-ml.so.1"  # the name torch.cuda loads for that check
+
+
+def skip_nvml_check_without_nvml(load: Callable[[str], Any] = ctypes.CDLL) -> bool:
+    """Drop Lightning's NVML switch where NVML cannot be loaded; return whether it was dropped.
+
+    ``import lightning`` sets the switch so that ``torch.cuda.is_available()`` asks NVML and leaves the
+    process safe to fork. Where NVML cannot be loaded (a CPU machine with a CUDA build of torch), torch
+    then tries to load it on every call, fails, and asks the CUDA runtime anyway. Adam and AdamW call it
+    at every ``step()``. Without the switch the answer and its side effects are the same, without the
+    failed load. Where NVML loads, the switch stays.
+    """
+    if os.environ.get(_NVML_CHECK) != "1":
+        return False
+    try:
+        load(_NVML_LIBRARY)
+    except OSError:
+        del os.environ[_NVML_CHECK]
+        return True
+    return False
 
 
 def backend_supports_coalescing(group: dist.ProcessGroup, device: torch.device) -> bool:
