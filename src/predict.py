@@ -32,9 +32,11 @@ from src.callbacks.prediction_writer import PredictionWriter
 from src.checkpointing.start import checkpoint_model, require_ckpt_path
 from src.data.predict_datamodule import PredictDataModule
 from src.data.predict_inputs import load_inputs
+from src.run.status import PREDICTIONS_FILE
 from src.runtime.hydra_launch import isolated_job
 from src.strategies.launchers import preflight
 from src.utils.config_checks import check_config
+from src.utils.errors import DataError
 from src.utils.hydra_errors import hydra_main
 from src.utils.pylogger import RankedLogger, lightning_lines_held
 from src.utils.task import extras, task_wrapper
@@ -49,10 +51,15 @@ def predict(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     check_config(cfg)
     with lightning_lines_held():  # a refusal below is one line on stderr, without Lightning's start-up lines
         datamodule, model = checkpoint_model(cfg)
-        inputs = load_inputs(str(cfg.input), datamodule)  # bad input: one line, before anything is written
-        writer = PredictionWriter(Path(cfg.paths.output_dir) / "predictions.csv", inputs.sources,
+        # bad input: one line, before anything is written
+        inputs = load_inputs(str(cfg.input), datamodule, str(cfg.ckpt_path))
+        writer = PredictionWriter(Path(cfg.paths.output_dir) / PREDICTIONS_FILE, inputs.sources,
                                   classification=getattr(model, "task", None) == "classification")
         trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=[writer], logger=False)
+        if len(inputs.sources) < trainer.world_size:  # a rank with no input would have nothing to predict
+            raise DataError(f"input={cfg.input} holds {len(inputs.sources)} input(s) for {trainer.world_size} "
+                            f"ranks, and each rank predicts at least one; fix: predict with at most "
+                            f"{len(inputs.sources)} device(s), e.g. trainer.devices={len(inputs.sources)}")
         preflight(trainer, model, datamodule)
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "trainer": trainer, "writer": writer}
     log.info(f"Predicting {len(inputs.sources)} inputs ({cfg.input}) with {cfg.ckpt_path}")

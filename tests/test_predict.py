@@ -17,6 +17,7 @@ from src.eval import evaluate
 from src.predict import predict
 from src.train import train
 from tests.helpers.config import ROOT, compose_cfg
+from tests.helpers.entry import run_entry
 from tests.helpers.training_runs import launch
 
 FULL_TEST = ["++trainer.limit_test_batches=1.0"]
@@ -78,7 +79,9 @@ def test_a_folder_of_images_and_a_tensor_file_predict_like_the_split(tmp_path, c
     (lambda d: torch.save(torch.zeros(2, 3, 28, 28, dtype=torch.uint8), d / "x.pt") or d / "x.pt",
      r"holds a tensor of shape \(2, 3, 28, 28\); fix: give images of shape \(N, 1, 28, 28\)"),
     (lambda d: d, "holds no PNG or JPEG file"),
-], ids=["unreadable-image", "wrong-shape", "empty-folder"])
+    (lambda d: torch.save(torch.zeros(0, 1, 28, 28, dtype=torch.uint8), d / "none.pt") or d / "none.pt",
+     r"none\.pt holds no images \(shape \(0, 1, 28, 28\)\); fix: give at least one image"),
+], ids=["unreadable-image", "wrong-shape", "empty-folder", "no-images"])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, checkpoint, capsys, make, says):
     source = tmp_path / "in"
     source.mkdir()
@@ -89,6 +92,52 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, checkpoint, capsys, 
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert exit_info.value.code == 2 and len(errors) == 1 and re.search(says, errors[0]), errors
     assert "; fix: " in errors[0] and not list((tmp_path / "run").glob("predictions*"))
+
+
+def refused(cfg, capsys) -> str:
+    """The one ``error:`` line of a refused ``predict(cfg)`` (exit 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        predict(cfg)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exit_info.value.code == 2 and len(errors) == 1, errors
+    return errors[0]
+
+
+@pytest.mark.parametrize(("overrides", "fix"), [
+    (["input=val", "seed=7"], "fix: add data.seed=12345"),
+    (["input=train", "data.val_size=1000"], "fix: add data.val_size=5000"),
+    (["input=val", "data.n_folds=5", "data.fold=2"], "fix: add data.n_folds=null"),
+], ids=["another-seed", "another-val-size", "k-fold"])
+def test_a_split_made_otherwise_than_in_training_is_refused(tmp_path, checkpoint, capsys, overrides, fix):
+    """Its "validation" rows would hold samples the model trained on."""
+    error = refused(compose_cfg("predict", [f"ckpt_path={checkpoint}", *overrides], tmp_path), capsys)
+    assert "was trained on the split of n_folds=None, val_size=5000, seed=12345" in error and error.endswith(fix)
+    assert not list(tmp_path.glob("predictions*"))
+
+
+def test_fewer_inputs_than_ranks_are_refused_before_any_rank_starts(tmp_path, checkpoint, capsys):
+    torch.save(torch.zeros(1, 1, 28, 28, dtype=torch.uint8), tmp_path / "one.pt")
+    cfg = compose_cfg("predict", [f"ckpt_path={checkpoint}", f"input={tmp_path / 'one.pt'}", "trainer=ddp",
+                                  "trainer.devices=2", "trainer.accelerator=cpu"], tmp_path / "run")
+    assert refused(cfg, capsys).endswith("holds 1 input(s) for 2 ranks, and each rank predicts at least one; "
+                                         "fix: predict with at most 1 device(s), e.g. trainer.devices=1")
+
+
+@pytest.mark.parametrize("earlier", ["checkpoints/last.ckpt", "predictions.csv"])
+def test_an_earlier_runs_dir_is_refused_before_hydra_writes_to_it(tmp_path, earlier):
+    """A training run's checkpoints, or an earlier prediction: neither they nor that run's .hydra/ record change."""
+    run = tmp_path / "earlier"
+    saved = {run / earlier: b"earlier output", run / ".hydra" / "config.yaml": b"earlier record"}
+    for path, content in saved.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    proc = run_entry("predict", f"ckpt_path={tmp_path / 'any.ckpt'}", f"hydra.run.dir={run}")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert f"holds an earlier run's {earlier.split('/')[0]}" in errors[0] and errors[0].endswith("pick a new hydra.run.dir")
+    assert {path: path.read_bytes() for path in saved} == saved
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()) == sorted(
+        p.relative_to(run).as_posix() for p in saved)
 
 
 def test_a_checkpoint_of_another_task_is_refused(tmp_path, checkpoint, capsys):

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.run.status import CHECKPOINT_DIR, LAST_CHECKPOINT, continues_own_run, holds_checkpoints
+from src.run.status import (
+    CHECKPOINT_DIR,
+    LAST_CHECKPOINT,
+    PREDICTIONS_FILE,
+    continues_own_run,
+    holds_checkpoints,
+)
 from src.utils.errors import CheckpointError, ConfigError
 
 
@@ -80,6 +87,17 @@ def saved_weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state["state_dict"].items()}
 
 
+def saved_data_settings(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The data module's hyper-parameters saved in a checkpoint (a file, or a sharded folder's meta), or None
+    when it holds none (a Trainer given no data module)."""
+    from src.checkpointing.io import load_checkpoint_file
+    from src.checkpointing.sharded import is_sharded_checkpoint, read_meta
+
+    state = read_meta(path) if is_sharded_checkpoint(Path(path)) else load_checkpoint_file(path)
+    saved = state.get("datamodule_hyper_parameters") if isinstance(state, dict) else None
+    return dict(saved) if saved else None
+
+
 def resume_checkpoint(cfg: DictConfig, run_dir: str | Path) -> str | None:
     """The checkpoint ``fit`` starts from: ``ckpt_path``, else (``auto_resume``) the run dir's ``last.ckpt``."""
 
@@ -92,13 +110,22 @@ def resume_checkpoint(cfg: DictConfig, run_dir: str | Path) -> str | None:
 
 
 def check_no_earlier_checkpoints(cfg: DictConfig, run_dir: str | Path) -> None:
-    """Refuse to train into a run directory that holds checkpoints this run would not resume from.
+    """Refuse to train into a run directory that holds checkpoints this run would not resume from, and a
+    run that does not train (eval, predict) into one that holds another run's checkpoints or predictions.
 
-    ModelCheckpoint would otherwise overwrite ``epoch_*.ckpt`` and ``last.ckpt`` of the earlier run.
-    Called by a Hydra callback before Hydra writes ``.hydra/``, so a refused run changes nothing.
+    ModelCheckpoint would otherwise overwrite ``epoch_*.ckpt`` and ``last.ckpt`` of the earlier run, and
+    Hydra that run's ``.hydra/`` record. Called by a Hydra callback before Hydra writes ``.hydra/``, so a
+    refused run changes nothing.
     """
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
-    if not cfg.get("train") or resume_checkpoint(cfg, run_dir) is not None:
+    if not cfg.get("train"):
+        earlier = [name for name, found in ((CHECKPOINT_DIR, holds_checkpoints(run_dir)),
+                                            (PREDICTIONS_FILE, (Path(run_dir) / PREDICTIONS_FILE).exists())) if found]
+        if earlier:
+            raise ConfigError(f"{run_dir} holds an earlier run's {' and '.join(earlier)}, which this run would "
+                              "overwrite (with its .hydra/ record); fix: pick a new hydra.run.dir")
+        return
+    if resume_checkpoint(cfg, run_dir) is not None:
         return
     if holds_checkpoints(run_dir):
         raise ConfigError(f"{ckpt_dir} already holds checkpoints of an earlier run; fix: pick a new "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -130,6 +131,13 @@ class InMemoryDataModule(LightningDataModule):
         return self.augment(images) if training else images
 
     # -- Lightning hooks ---------------------------------------------------------
+    @staticmethod
+    def split_settings(hparams: Mapping[str, Any]) -> dict[str, Any]:
+        """The settings that choose the training and validation samples in :meth:`setup`: the folds and the
+        fold under k-fold cross-validation, else the validation size; the seed either way."""
+        keys = ("n_folds", "fold", "seed") if hparams.get("n_folds") else ("n_folds", "val_size", "seed")
+        return {key: hparams.get(key) for key in keys}
+
     def setup(self, stage: str | None = None) -> None:
         replicas, rank = self._replicas()
         log.info(f"data replica {rank}/{replicas}: batch {self.batch_size_per_replica} per replica "

@@ -31,10 +31,12 @@ class PredictInputs:
     sources: list[str]
 
 
-def load_inputs(source: str, datamodule) -> PredictInputs:
+def load_inputs(source: str, datamodule, ckpt_path: str) -> PredictInputs:
     """``source``: ``train``/``val``/``test`` (a split of ``datamodule``), a folder of PNG/JPEG files, or a
-    ``.npy``/``.pt`` file of images."""
+    ``.npy``/``.pt`` file of images. ``train`` and ``val`` must be split as ``ckpt_path`` was trained."""
     if source in SPLITS:
+        if source != "test":
+            check_same_split(source, datamodule, ckpt_path)
         datamodule.prepare_data()
         datamodule.setup("predict")
         dataset = getattr(datamodule, f"data_{source}")
@@ -53,6 +55,26 @@ def load_inputs(source: str, datamodule) -> PredictInputs:
         return PredictInputs(unlabelled(images), [f"{path.name}[{i}]" for i in range(len(images))])
     raise DataError(f"input={source} is not {', '.join(SPLITS)}, a folder of images or an existing .npy/.pt file; "
                     "fix: name one of those")
+
+
+def check_same_split(source: str, datamodule, ckpt_path: str) -> None:
+    """Refuse ``input=train``/``val`` when this config would split the data otherwise than the checkpoint's
+    training run did (another seed, validation size or fold): its "validation" rows would hold samples the
+    model trained on. A checkpoint that saved no data settings is predicted on this config's split."""
+    from src.checkpointing.start import saved_data_settings
+
+    saved = saved_data_settings(ckpt_path)
+    if saved is None or not hasattr(datamodule, "split_settings"):
+        log.warning(f"{ckpt_path} records no data split: input={source} is split as this config says")
+        return
+    trained = datamodule.split_settings(saved)
+    here = datamodule.split_settings(datamodule.hparams)
+    if trained != here:
+        fix = " ".join(f"data.{key}={'null' if value is None else value}" for key, value in trained.items()
+                       if datamodule.hparams.get(key) != value)
+        raise DataError(f"input={source}: {ckpt_path} was trained on the split of "
+                        f"{', '.join(f'{k}={v}' for k, v in trained.items())}, and this config splits with "
+                        f"{', '.join(f'{k}={v}' for k, v in here.items())}; fix: add {fix}")
 
 
 def unlabelled(images: Tensor) -> InMemoryDataset:
@@ -105,6 +127,8 @@ def check_images(images: Tensor, shape: tuple[int, ...], path: Path) -> Tensor:
     if images.dim() != len(shape) + 1 or tuple(images.shape[1:]) != tuple(shape):
         raise DataError(f"{path} holds a tensor of shape {tuple(images.shape)}; fix: give images of shape "
                         f"(N, {', '.join(map(str, shape))}), uint8 (0-255) or float (0-1)")
+    if len(images) == 0:
+        raise DataError(f"{path} holds no images (shape {tuple(images.shape)}); fix: give at least one image")
     if images.is_floating_point():
         images = (images.clamp(0, 1) * 255).round().to(torch.uint8)
     elif images.dtype != torch.uint8:

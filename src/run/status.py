@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # imported by the run-dir Hydra callback, before logging is s
 STATUS_FILE = "status.yaml"
 CHECKPOINT_DIR = "checkpoints"  # <run dir>/checkpoints: every fit of the run saves there
 LAST_CHECKPOINT = Path(CHECKPOINT_DIR) / "last.ckpt"  # a file, or trainer=fsdp's folder of shards
+PREDICTIONS_FILE = "predictions.csv"  # <run dir>/predictions.csv: src/predict.py's rows
 RUNNING, FINISHED, PREEMPTED, FAILED, DIED = "running", "finished", "preempted", "failed", "died"
 INTERRUPTED = "interrupted"  # Ctrl-C
 PRUNED = "pruned"  # a search's trial that its pruner stopped early (src/callbacks/optuna_pruning.py)
