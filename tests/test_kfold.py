@@ -17,7 +17,7 @@ import yaml
 from src.data.components.folds import check_fold, stratified_folds
 from src.data.toy_datamodule import ToyDataModule
 from src.run.lock import try_lock
-from src.search.cross_validation import CV_LOCK
+from src.search.cross_validation import CV_LOCK, same_command
 from src.utils.errors import ConfigError
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
@@ -63,7 +63,7 @@ def test_fold_i_validates_and_the_others_train():
 
 @pytest.mark.slow
 def test_one_command_runs_every_fold_and_cv_yaml_agrees_with_their_logs(tmp_path):
-    proc = run_entry("train", "hparams_search=kfold", "model=toy", "data=toy", "data.n_folds=3", "data.fold=0,1,2",
+    proc = run_entry("train", "hparams_search=kfold", "model=toy", "data=toy", "data.n_folds=3",  # folds 0, 1, 2
                      "trainer.max_epochs=1", "+trainer.limit_train_batches=5", "test=false", f"paths.log_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     cv_file = tmp_path / "train" / "cross_validation" / "kfold" / "cv.yaml"
@@ -79,6 +79,23 @@ def test_one_command_runs_every_fold_and_cv_yaml_agrees_with_their_logs(tmp_path
     assert cv["mean"] == pytest.approx(statistics.fmean(logged.values()))
     assert cv["std"] == pytest.approx(statistics.stdev(logged.values()))
     assert "[cv] val/loss over 3 of 3 folds" in proc.stdout
+
+
+def test_folds_outside_n_folds_are_refused_before_any_fold_trains(tmp_path):
+    proc = run_entry("train", "hparams_search=kfold", "model=toy", "data=toy", "data.n_folds=3", "data.fold=0,1,2,3",
+                     "test=false", f"paths.log_dir={tmp_path}")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and errors == ["error: data.fold takes 3, outside the folds of data.n_folds=3; fix: "
+                                               "sweep data.fold=range(3) (the default), or a subset of it"], proc.stderr
+    assert not (tmp_path / "train" / "cross_validation" / "kfold").exists()  # no fold ran, nothing was recorded
+
+
+@pytest.mark.fast
+def test_the_same_overrides_in_another_order_continue_a_cross_validation():
+    started = ["data.n_folds=2", "data.fold=0,1", "model=toy"]
+    assert same_command(started, ["model=toy", "data.fold=0,1", "data.n_folds=2"])
+    assert not same_command(started, ["data.n_folds=3", "data.fold=0,1", "model=toy"])
+    assert not same_command(["seed=1", "seed=2"], ["seed=2", "seed=1"])  # the last of a key wins: order matters
 
 
 def trained(job):

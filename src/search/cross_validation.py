@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,9 +33,31 @@ def fold_of(overrides: list[str]) -> int | None:
     return int(found[-1]) if found else None
 
 
+def swept_folds(config: DictConfig) -> list[int]:
+    """The ``data.fold`` values the multirun's jobs take: from the command line, else the sweeper's params."""
+    params = config.hydra.sweeper.get("params") or {}
+    given = [*(f"{key}={value}" for key, value in params.items()), *config.hydra.overrides.task]
+    folds: list[int] = []
+    for override in OverridesParser.create().parse_overrides(given):
+        if override.key_or_group.lstrip("+~") == "data.fold":  # the command line's, parsed last, wins
+            folds = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+    return folds
+
+
+def same_command(started_with: list[str], command: list[str]) -> bool:
+    """The same overrides, in any order where order cannot matter (each key given once)."""
+    keys = [o.split("=", 1)[0] for o in command]
+    return started_with == command or (sorted(started_with) == sorted(command) and len(set(keys)) == len(keys))
+
+
 class CrossValidationSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        n_folds = config.data.get("n_folds")
+        outside = [f for f in swept_folds(config) if not (isinstance(f, int) and n_folds and 0 <= f < n_folds)]
+        if outside:  # refused before any fold trains, not when the sweep reaches it
+            exit_with_error(f"data.fold takes {', '.join(map(str, outside))}, outside the folds of data.n_folds="
+                            f"{n_folds}; fix: sweep data.fold=range({n_folds}) (the default), or a subset of it")
         sweep_dir.mkdir(parents=True, exist_ok=True)
         self._lock = try_lock(sweep_dir / CV_LOCK)  # held until this process ends; the kernel then drops it
         if self._lock is None:
@@ -45,7 +68,7 @@ class CrossValidationSummary(Callback):
             OmegaConf.save(OmegaConf.create(command), kept)
             return
         started_with = list(OmegaConf.load(kept))
-        if started_with != command:
+        if not same_command(started_with, command):
             exit_with_error(f"the cross-validation in {sweep_dir} was started with other overrides "
                             f"({' '.join(started_with)}); fix: run it with those to continue it, or give this one "
                             "its own cv_name=<name>")
