@@ -82,6 +82,7 @@ def test_killed_at_4_ranks_the_same_command_on_2_resumes_it(tmp_path, reference_
 
 
 def test_killed_in_one_process_resumes_on_3_ranks_with_ckpt_path(tmp_path, reference_runs):
+    """The killed epoch's logged training loss counts the one saved rank's batches once, not once per new rank."""
     reference = reference_runs(*SAME_SAMPLES)
     kill_after_first_checkpoint(tmp_path / "one")
     (killed,) = run_dirs(tmp_path / "one")
@@ -90,6 +91,9 @@ def test_killed_in_one_process_resumes_on_3_ranks_with_ckpt_path(tmp_path, refer
     assert finish(resumed) == 0, resumed.stderr_text[-3000:]
     (run_dir,) = run_dirs(tmp_path / "three")
     assert_ends_like(reference, run_dir)
+    losses, expected = epoch_train_losses(run_dir), epoch_train_losses(reference)
+    assert len(losses) == len(expected) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
 
 
 def elastic_node(log_dir, port: int, hosts_rendezvous: bool):

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torchmetrics.utilities.data import dim_zero_max, dim_zero_mean, dim_zero_min
 
+from src.utils import lightning_compat as compat
 from src.utils.hooks import RandomStatePerRank, ResumableMetrics
 from src.utils.pylogger import RankedLogger
 
@@ -124,9 +126,11 @@ class ResumeMetricState(Callback):
     that carry over (``resumable_metrics(mid_epoch)``, :class:`src.models.step_module.StepModule`); their
     states are gathered to every rank as :class:`ResumeRandomState` gathers random states, and restored
     at ``on_train_start``. The epoch's own metrics are kept only by a save inside a training epoch, and
-    restored only when the resume goes on with that epoch. On another number of ranks, a state every saved
-    rank held alike (the best-so-far tracker) goes to every rank, and rank 0 takes the others merged
-    (torchmetrics' ``merge_state``) while the other ranks start empty: the synced value is the same.
+    restored only when the resume goes on with that epoch. On another number of ranks, the saved ranks'
+    states are merged (torchmetrics' ``merge_state``) into the whole run's state, which is then shared out so
+    that the ranks' synced value is the same: a metric synced by max or min (the best-so-far tracker) goes
+    whole to every rank; one synced by sum (the epoch's sums and counts) goes to rank 0, and the other ranks
+    start empty.
     """
 
     def __init__(self) -> None:
@@ -170,23 +174,25 @@ def _set_state(metric: Any, state: dict[str, Any]) -> None:
         setattr(metric, key, _to_device(value, metric.device))
 
 
+_EVERY_RANK_HOLDS_WHOLE = (dim_zero_max, dim_zero_min, dim_zero_mean)  # a reduction of equal values gives that value
+
+
 def _take_from_other_world_size(metric: Any, saved: list[dict[str, Any]], rank: int) -> None:
-    """This rank's share of ``saved`` (one state per rank of another world size); see :class:`ResumeMetricState`."""
-    if all(_same_state(saved[0], other) for other in saved[1:]):
-        _set_state(metric, saved[0])
-    elif rank == 0:
-        _set_state(metric, saved[0])
-        for other in saved[1:]:
-            metric.merge_state({k: _to_device(v, metric.device) for k, v in other.items()})
+    """This rank's share of ``saved`` (one state per rank of another world size); see :class:`ResumeMetricState`.
 
-
-def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    def same(x: Any, y: Any) -> bool:
-        if isinstance(x, list):
-            return isinstance(y, list) and len(x) == len(y) and all(map(same, x, y))
-        return isinstance(y, torch.Tensor) and x.shape == y.shape and bool(torch.equal(x, y))
-
-    return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    Each state is reduced over the saved ranks as the metric syncs it (sum, max, concatenation...), whatever
+    values they hold. A state synced by max, min or mean goes whole to every rank; any other (a sum, a list)
+    to rank 0 alone, so the new ranks count it once.
+    """
+    for key, reduce in compat.state_reductions(metric).items():
+        values = [state[key] for state in saved if key in state]
+        if not values or (rank != 0 and reduce not in _EVERY_RANK_HOLDS_WHOLE):
+            continue  # this rank starts empty
+        if isinstance(values[0], list):
+            whole = [item for value in values for item in value]
+        else:
+            whole = values[0] if reduce is None else reduce(torch.stack(values))
+        setattr(metric, key, _to_device(whole, metric.device))
 
 
 def _resumable(pl_module: L.LightningModule, mid_epoch: bool) -> dict[str, Any]:

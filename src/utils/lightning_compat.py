@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.device_mesh import DeviceMesh
+from torchmetrics import Metric
 
 CHECKED_AGAINST = "lightning 2.6.6 and torch 2.14.1"
 
@@ -167,6 +168,7 @@ PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
     (lambda: torch._C, "_distributed_c10d", "a stuck rank's flight-recorder record"),
     (lambda: torch._C._distributed_c10d, "_dump_fr_trace", "a stuck rank's flight-recorder record"),
     (lambda: fabric_distributed, "_set_num_threads_if_needed", "the ps launcher"),
+    (lambda: SetInInit(Metric), "_reductions", "a running metric resumed on another number of ranks"),
     (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_call_children_scripts",
      "the popen launchers (Lightning's launch with the project's guard over child ranks)"),
     (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_set_num_threads_if_needed",
@@ -324,6 +326,12 @@ def skip_nvml_check_without_nvml(load: Callable[[str], Any] = ctypes.CDLL) -> bo
         del os.environ[_NVML_CHECK]
         return True
     return False
+
+
+def state_reductions(metric: Metric) -> dict[str, Callable | None]:
+    """How a torchmetrics ``metric`` reduces each of its states across ranks (its ``dist_reduce_fx``, as a function
+    of the states stacked along dim 0, e.g. ``torchmetrics.utilities.data.dim_zero_sum``)."""
+    return dict(metric._reductions)
 
 
 def backend_supports_coalescing(group: dist.ProcessGroup, device: torch.device) -> bool:
