@@ -234,6 +234,55 @@ def load_on_ranks(rank: int, world_size: int, path: str) -> dict | None:
     return {"weights": weights, "optimizer": state} if rank == 0 else None
 
 
+def load_sgd_on_ranks(rank: int, world_size: int, path: str, momentum: float) -> dict | None:
+    """Shard a fresh MLP over ``world_size`` ranks with SGD built as the project builds it, load the one-process
+    file ``path``, then take one step with every gradient 1: the weights after it, gathered whole."""
+    import functools
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from src.models.components.mlp import MLP
+    from src.models.optimizers import build_optimizer
+    from src.strategies.fsdp import checkpoint as ckpt
+    from src.strategies.fsdp.wrap import mixed_precision, shard_by_blocks
+
+    module = _Module(MLP())
+    shard_by_blocks(module, init_device_mesh("cpu", (world_size,)), True, mixed_precision("32-true"), False)
+    optimizer = build_optimizer(functools.partial(torch.optim.SGD, lr=0.1, momentum=momentum), module.parameters())
+    ckpt.load_into(module, [optimizer], path, strict=True)
+    fused = [group.get("fused") for group in optimizer.param_groups]
+    for parameter in module.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    weights = ckpt.model_state(module, full=True)
+    return {"weights": weights, "fused": fused} if rank == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["stateless-sgd", "fused-sgd-with-momentum"])
+def test_a_one_process_sgd_checkpoint_loads_into_fsdp(tmp_path, momentum):
+    """A single-device (or DDP) file loads into ``trainer=fsdp`` with SGD too: with no optimizer state to place
+    (plain SGD), and with a saved ``fused: True`` that sharded parameters cannot run (the live optimizer's
+    choice stays). One step after the load equals the same step of the unsharded optimizer."""
+    from src.models.components.mlp import MLP
+
+    torch.manual_seed(0)
+    module = _Module(MLP())
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=momentum, fused=True)
+    for parameter in module.parameters():
+        parameter.grad = torch.randn_like(parameter)
+    optimizer.step()
+    path = tmp_path / "one.ckpt"
+    torch.save({"state_dict": module.state_dict(), "optimizer_states": [optimizer.state_dict()]}, path)
+    loaded = run_workers(load_sgd_on_ranks, 2, str(path), momentum, timeout=120)[0]
+    assert not any(loaded["fused"])  # the live optimizer's choice: no fused step on shards
+    for parameter in module.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(loaded["weights"][name], value, msg=name)
+
+
 @pytest.mark.slow
 def test_a_checkpoint_of_4_ranks_reads_exactly_on_2_and_on_1(runs):
     """Proof 4a: weights and Adam state saved as 4 ranks' shards equal, bit for bit, what 2 ranks load (their

@@ -72,5 +72,24 @@ def load_into(model: nn.Module, optimizers: list[Optimizer], path: str | Path, s
         raise CheckpointError(f"{path} holds no optimizer state (a weights-only checkpoint); fix: resume from a "
                               "last.ckpt or epoch_*.ckpt, or pass it to src/eval.py instead")
     for optimizer, state in zip(optimizers, states, strict=False):
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=not sharded))
+        load_optimizer(model, optimizer, state, full=not sharded)
     return checkpoint
+
+
+# How a step runs, not what it has learned: chosen for the live optimizer's (sharded) parameters when it was
+# built, e.g. no fused SGD on DTensors (src/models/optimizers.py). A saved group's choice is not restored.
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_optimizer(model: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool) -> None:
+    """``set_optimizer_state_dict``, keeping the live optimizer's implementation choices. An optimizer with no
+    per-parameter state (SGD without momentum) gets its groups' settings only: torch's full-state loader has no
+    tensor to place and fails on it."""
+    groups = state.get("param_groups", [])
+    for saved, live in zip(groups, optimizer.param_groups, strict=False):
+        saved.update({key: live[key] for key in IMPLEMENTATION_KEYS if key in live})
+    if not state.get("state"):
+        for saved, live in zip(groups, optimizer.param_groups, strict=False):
+            live.update({key: value for key, value in saved.items() if key not in ("params", "param_names")})
+        return
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=full))
