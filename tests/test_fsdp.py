@@ -219,15 +219,18 @@ def test_each_rank_holds_a_shard_of_ddp_bytes(runs, n, variant, shard):
 # -- real processes: a checkpoint of 4 ranks, read by 2 and by 1 -------------------------------------------
 def load_on_ranks(rank: int, world_size: int, path: str) -> dict | None:
     """Shard a fresh MLP and Adam over ``world_size`` ranks, load ``path`` into them, gather them whole."""
+    import functools
+
     from torch.distributed.device_mesh import init_device_mesh
 
     from src.models.components.mlp import MLP
+    from src.models.optimizers import build_optimizer
     from src.strategies.fsdp import checkpoint as ckpt
     from src.strategies.fsdp.wrap import mixed_precision, shard_by_blocks
 
     module = _Module(MLP())
     shard_by_blocks(module, init_device_mesh("cpu", (world_size,)), True, mixed_precision("32-true"), False)
-    optimizer = torch.optim.Adam(module.parameters())
+    optimizer = build_optimizer(functools.partial(torch.optim.Adam), module.parameters())  # as the run built it
     ckpt.load_into(module, [optimizer], path, strict=True)
     weights = ckpt.model_state(module, full=True)
     state = ckpt.optimizer_state(module, optimizer, full=True, is_global_zero=rank == 0)
