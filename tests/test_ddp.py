@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.pytorch import Callback
 
 from tests.helpers.config import ROOT, compose_cfg
 from tests.helpers.docs import assert_no_error_line, docs_command
@@ -172,6 +173,30 @@ def test_ddp_spawn_returns_metrics_to_parent(make_cfg):
     with open(version / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert any(row["val/acc"] for row in rows) and rows[-1]["test/acc"]
+
+
+class CountsFirstBatch(Callback):
+    """Writes, per rank, the training loss metric's sample count and the batch size after the first batch."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            (Path(self.out) / f"rank{trainer.global_rank}").write_text(f"{int(pl_module.train_loss.count)} {len(batch[1])}")
+
+
+@pytest.mark.slow
+def test_spawned_ranks_keep_their_own_running_metrics(make_cfg, tmp_path):
+    """Spawn passes the model through shared memory: each rank's torchmetrics states must be its own, or every
+    rank adds into one sum and a mid-epoch checkpoint saves the total as each rank's state."""
+    from src.train import train
+
+    train(make_cfg("train", ["trainer=ddp_spawn", "trainer.devices=2", "trainer.accelerator=cpu", "test=false",
+                             "trainer.max_epochs=1", "++trainer.limit_train_batches=2",
+                             "+callbacks.counts._target_=tests.test_ddp.CountsFirstBatch",
+                             f"+callbacks.counts.out={tmp_path}"]))
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["64 64", "64 64"]
 
 
 TINY_RUN = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_train_batches=6",

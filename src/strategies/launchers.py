@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
+import torch
+from torch import nn
 
 from src.runtime.child_guard import guard_child_ranks
 from src.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
@@ -144,12 +146,33 @@ class SpawnedRank:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.job_logging is not None:
             logging.config.dictConfig(self.job_logging)
+        for module in (a for a in args if isinstance(a, nn.Module)):
+            own_tensor_attributes(module)
         try:
             return self.function(*args, **kwargs)
         except Exception as err:
             if peer_failed(err):
                 exit_after_peer_failure(current_rank())
             raise
+
+
+def own_tensor_attributes(module: nn.Module) -> None:
+    """Give this rank its own copy of every CPU tensor that ``module`` and its submodules hold as plain attributes.
+
+    Spawn hands the model to each rank through shared memory. Lightning copies the parameters and buffers out of
+    it (CPU ranks), but not other tensors a module holds, such as torchmetrics' states: every rank would then add
+    into one shared running sum, and a checkpoint would save the ranks' total as each rank's own state.
+    """
+    def own(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.is_shared():
+            return value.clone()
+        return value
+
+    for sub in module.modules():
+        for name, value in list(vars(sub).items()):
+            owned = [own(v) for v in value] if isinstance(value, list) else own(value)
+            if any(o is not v for o, v in zip(owned, value, strict=True)) if isinstance(value, list) else owned is not value:
+                object.__setattr__(sub, name, owned)  # a plain attribute: not a parameter, buffer or submodule
 
 
 class PSSubprocessLauncher(PreflightSubprocessLauncher):
