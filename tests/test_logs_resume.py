@@ -23,7 +23,7 @@ import pytest
 
 from src.callbacks.metric_plot import MetricPlot
 from src.loggers.resumable import ResumableCSVLogger
-from tests.helpers.config import ROOT
+from tests.helpers.config import ROOT, compose_cfg
 from tests.helpers.training_runs import finish, launch, run_dirs, wait_for_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
@@ -107,6 +107,22 @@ def kill_twice_then_finish(log_dir: Path) -> Path:
         assert kills == 2, "the run finished before both kills landed"
         (run,) = run_dirs(log_dir)
         return run
+
+
+def test_the_plot_keeps_the_epochs_before_a_resume_without_a_csv_log(tmp_path):
+    """With no CSV log to read back, the plot's values come from the run's checkpoint."""
+    from src.train import train as train_run
+
+    base = ["model=toy", "data=toy", "logger=tensorboard", "test=false", "++trainer.limit_train_batches=3",
+            "++trainer.limit_val_batches=2"]
+    _, first = train_run(compose_cfg("train", [*base, "trainer.max_epochs=2"], tmp_path / "first"))
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    _, resumed = train_run(compose_cfg("train", [*base, "trainer.max_epochs=3", f"ckpt_path={last}"],
+                                       tmp_path / "resumed"))
+    (before,), (after,) = ([c for c in run["callbacks"] if isinstance(c, MetricPlot)] for run in (first, resumed))
+    assert set(after.seen["train/loss"]) == {0, 1, 2} and set(after.seen["val/loss"]) == {0, 1, 2}
+    assert {e: after.seen["val/loss"][e] for e in (0, 1)} == before.seen["val/loss"]
+    assert (tmp_path / "resumed" / "metrics.png").is_file()
 
 
 def test_every_logger_continues_one_series_across_kills(tmp_path):

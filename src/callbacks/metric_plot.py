@@ -21,8 +21,9 @@ class MetricPlot(Callback):
     """Draws epoch-level metrics (e.g. ``train/loss``, ``val/loss``, ``val/acc``), one panel per kind.
 
     The values come from the CSV log (``metrics.csv``), which a resumed run continues, so the plot shows
-    the whole run, not only the part since the last resume. Without a CSV logger the values this process
-    saw are drawn. matplotlib is imported only when the plot is drawn, so it costs nothing at start-up.
+    the whole run, not only the part since the last resume. Without a CSV logger the values the run saw are
+    drawn: they are kept in its checkpoints (this callback's state), so a resumed run draws the epochs before
+    the resume too. matplotlib is imported only when the plot is drawn, so it costs nothing at start-up.
     """
 
     def __init__(self, filename: str = "metrics.png", kinds: tuple[str, ...] = ("loss", "acc")) -> None:
@@ -46,6 +47,13 @@ class MetricPlot(Callback):
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._record(trainer)
+
+    def state_dict(self) -> dict:
+        return {"seen": {key: dict(values) for key, values in self.seen.items()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for key, values in state_dict.get("seen", {}).items():
+            self.seen[key].update(values)
 
     def logged(self, trainer: Trainer) -> History | None:
         """The epoch-level metrics in the CSV log, or None when the trainer has no CSV logger."""
