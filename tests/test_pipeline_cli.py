@@ -82,6 +82,34 @@ def test_pipeline_resumes_from_its_checkpoint(pipeline_run, tmp_path):
     assert resumed["global_step"] == saved["global_step"] + 10
 
 
+def _epoch_train_loss(run_dir: Path) -> float:
+    with open(run_dir / "csv" / "version_0" / "metrics.csv") as file:
+        (loss,) = [float(row["train/loss"]) for row in csv.DictReader(file) if row.get("train/loss")]
+    return loss
+
+
+@pytest.mark.slow
+def test_a_mid_epoch_checkpoint_moves_between_pipeline_and_data_parallel_runs(tmp_path):
+    """The epoch's running training metrics are kept once per data-parallel replica (a pipeline's stages hold
+    one copy), so a mid-epoch checkpoint resumed under another strategy logs the epoch's training loss over all
+    its batches: pipeline -> one process, and DDP x2 -> pipeline."""
+    steps = [*COMMON, "+trainer.limit_train_batches=10", "+trainer.limit_val_batches=1", "test=false"]
+    pipeline, ddp = ["trainer=pipeline", "trainer.devices=2"], ["trainer=ddp", "trainer.devices=2"]
+    _ok(run_entry("train", "trainer=cpu", *steps, f"hydra.run.dir={tmp_path / 'reference'}", timeout=300))
+    expected = _epoch_train_loss(tmp_path / "reference")
+    for name, first, then in (("pipeline-to-one", pipeline, ["trainer=cpu"]), ("ddp-to-pipeline", ddp, pipeline)):
+        mid_epoch = tmp_path / f"{name}.ckpt"  # the periodic last.ckpt of step 6, kept before later saves
+        _ok(run_entry("train", *first, "trainer.accelerator=cpu", *steps, "last_ckpt_every_n_train_steps=6",
+                      "+callbacks.copy._target_=tests.helpers.checkpoint_copy.CopyLastCheckpoint",
+                      "+callbacks.copy.step=6", f"+callbacks.copy.dest={mid_epoch}",
+                      f"hydra.run.dir={tmp_path / name / 'first'}", timeout=300))
+        saved = torch.load(mid_epoch, map_location="cpu", weights_only=False)
+        assert saved["global_step"] == 6 and len(saved["running_metrics_per_rank"]) == (1 if first == pipeline else 2)
+        _ok(run_entry("train", *then, "trainer.accelerator=cpu", *steps, f"ckpt_path={mid_epoch}",
+                      f"hydra.run.dir={tmp_path / name / 'resumed'}", timeout=300))
+        assert _epoch_train_loss(tmp_path / name / "resumed") == pytest.approx(expected, rel=1e-5), name
+
+
 @pytest.mark.slow
 def test_pipeline_with_spawned_ranks(tmp_path):
     """`start_method: spawn` pickles the trainer, with the strategy's launcher and checks, into each rank."""

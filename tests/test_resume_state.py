@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchmetrics import MaxMetric
 
-from src.checkpointing.resume_state import _take_from_other_world_size
+from src.checkpointing.resume_state import _take_from_other_replicas
 from src.models.metrics import SampleMean
 
 
@@ -23,7 +23,7 @@ def saved_mean(*batches: tuple[float, int]) -> dict:
 def resumed(metric_class, saved: list[dict], world_size: int) -> list:
     metrics = [metric_class() for _ in range(world_size)]
     for rank, metric in enumerate(metrics):
-        _take_from_other_world_size(metric, saved, rank)
+        _take_from_other_replicas(metric, saved, rank)
     return metrics
 
 

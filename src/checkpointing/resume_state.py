@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_mean, dim_zero_min
 
+from src.strategies.global_batch import data_replica
 from src.utils import lightning_compat as compat
 from src.utils.hooks import RandomStatePerRank, ResumableMetrics
 from src.utils.pylogger import RankedLogger
@@ -124,9 +125,9 @@ class ResumeMetricState(Callback):
     rank), and a best-so-far tracker over epochs. Neither is in a checkpoint: a run resumed mid-epoch
     would log that epoch's mean over the batches after the resume only. The module names the metrics
     that carry over (``resumable_metrics(mid_epoch)``, :class:`src.models.step_module.StepModule`); their
-    states are gathered to every rank as :class:`ResumeRandomState` gathers random states, and restored
-    at ``on_train_start``. The epoch's own metrics are kept only by a save inside a training epoch, and
-    restored only when the resume goes on with that epoch. On another number of ranks, the saved ranks'
+    states are gathered as :class:`ResumeRandomState` gathers random states, kept once per data-parallel
+    replica (every stage of a pipeline holds its replica's copy), and restored at ``on_train_start``. The epoch's own metrics are kept only by a save inside a training epoch, and
+    restored only when the resume goes on with that epoch. On another number of replicas, the saved replicas'
     states are merged (torchmetrics' ``merge_state``) into the whole run's state, which is then shared out so
     that the ranks' synced value is the same: a metric synced by max or min (the best-so-far tracker) goes
     whole to every rank; one synced by sum (the epoch's sums and counts) goes to rank 0, and the other ranks
@@ -135,7 +136,7 @@ class ResumeMetricState(Callback):
 
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
-        self._saved_ranks: list[dict[str, Any]] | None = None  # every saved rank's states, on a world-size change
+        self._saved_replicas: list[dict[str, Any]] | None = None  # every saved replica's states, when their number changed
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # at the epoch's last validation (a user's epoch-end save) the epoch's training metrics are complete: a
@@ -146,17 +147,21 @@ class ResumeMetricState(Callback):
         if not metrics:
             return
         mine = {name: {k: _to_cpu(v) for k, v in m.metric_state.items()} for name, m in metrics.items()}
-        checkpoint[METRICS_KEY] = gather_per_rank(trainer, mine)
+        per_replica: dict[int, Any] = {}
+        for replica, states in gather_per_rank(trainer, (data_replica(trainer.strategy)[1], mine)):
+            per_replica.setdefault(replica, states)  # a pipeline's stages hold one copy of their replica's states
+        checkpoint[METRICS_KEY] = [per_replica[r] for r in sorted(per_replica)]
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         states = checkpoint.get(METRICS_KEY)
-        if states and len(states) == trainer.world_size:
-            self._pending = states[trainer.global_rank]
+        replicas, replica = data_replica(trainer.strategy)
+        if states and len(states) == replicas:
+            self._pending = states[replica]
         elif states:
-            self._saved_ranks = states
+            self._saved_replicas = states
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._pending is None and self._saved_ranks is None:
+        if self._pending is None and self._saved_replicas is None:
             return
         # Lightning ends an epoch resumed from its last batch without more batches: nothing more accumulates there
         loop = trainer.fit_loop
@@ -165,8 +170,9 @@ class ResumeMetricState(Callback):
             if self._pending is not None:
                 _set_state(metric, self._pending.get(name, {}))
             else:
-                _take_from_other_world_size(metric, [s.get(name, {}) for s in self._saved_ranks], trainer.global_rank)
-        self._pending = self._saved_ranks = None
+                _take_from_other_replicas(metric, [s.get(name, {}) for s in self._saved_replicas],
+                                            data_replica(trainer.strategy)[1])
+        self._pending = self._saved_replicas = None
 
 
 def _set_state(metric: Any, state: dict[str, Any]) -> None:
@@ -174,20 +180,20 @@ def _set_state(metric: Any, state: dict[str, Any]) -> None:
         setattr(metric, key, _to_device(value, metric.device))
 
 
-_EVERY_RANK_HOLDS_WHOLE = (dim_zero_max, dim_zero_min, dim_zero_mean)  # a reduction of equal values gives that value
+_EVERY_REPLICA_HOLDS_WHOLE = (dim_zero_max, dim_zero_min, dim_zero_mean)  # a reduction of equal values gives that value
 
 
-def _take_from_other_world_size(metric: Any, saved: list[dict[str, Any]], rank: int) -> None:
-    """This rank's share of ``saved`` (one state per rank of another world size); see :class:`ResumeMetricState`.
+def _take_from_other_replicas(metric: Any, saved: list[dict[str, Any]], replica: int) -> None:
+    """This replica's share of ``saved`` (one state per replica of another number); see :class:`ResumeMetricState`.
 
-    Each state is reduced over the saved ranks as the metric syncs it (sum, max, concatenation...), whatever
-    values they hold. A state synced by max, min or mean goes whole to every rank; any other (a sum, a list)
-    to rank 0 alone, so the new ranks count it once.
+    Each state is reduced over the saved replicas as the metric syncs it (sum, max, concatenation...),
+    whatever values they hold. A state synced by max, min or mean goes whole to every replica; any other (a
+    sum, a list) to replica 0 alone, so the new replicas count it once.
     """
     for key, reduce in compat.state_reductions(metric).items():
         values = [state[key] for state in saved if key in state]
-        if not values or (rank != 0 and reduce not in _EVERY_RANK_HOLDS_WHOLE):
-            continue  # this rank starts empty
+        if not values or (replica != 0 and reduce not in _EVERY_REPLICA_HOLDS_WHOLE):
+            continue  # this replica starts empty
         if isinstance(values[0], list):
             whole = [item for value in values for item in value]
         else:

@@ -16,7 +16,7 @@ from src.data.components.batch_transforms import normalize, to_unit_float
 from src.data.components.folds import check_fold, stratified_folds
 from src.data.components.in_memory import InMemoryDataset, keep_batch
 from src.data.components.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
-from src.strategies.global_batch import per_replica_batch_size
+from src.strategies.global_batch import data_replica, per_replica_batch_size
 from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
 from src.utils.seeding import rank_seed
@@ -221,9 +221,7 @@ class InMemoryDataModule(LightningDataModule):
     # -- helpers -----------------------------------------------------------------
     def _replicas(self) -> tuple[int, int]:
         """(number of data-parallel replicas, this replica's index) from the trainer's strategy."""
-        strategy = getattr(self.trainer, "strategy", None)
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+        return data_replica(getattr(self.trainer, "strategy", None))
 
     @property
     def batch_size_per_replica(self) -> int:

@@ -12,10 +12,16 @@ from typing import Any
 from src.utils.errors import ConfigError
 
 
+def data_replica(strategy: Any) -> tuple[int, int]:
+    """``(data-parallel replicas, this process's replica)`` of ``strategy``: every stage of one pipeline is one
+    replica; one process (dp, a single device) is one replica."""
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+
 def per_replica_batch_size(global_batch: int, strategy: Any) -> int:
     """``global_batch // replicas`` for ``strategy``; a ConfigError naming a batch size that works."""
-    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-    replicas = int(kwargs.get("num_replicas", 1))
+    replicas, _ = data_replica(strategy)
     micro = int(getattr(strategy, "n_microbatches", 1))
     devices = len(getattr(strategy, "parallel_devices", None) or []) if replicas == 1 else 1
     unit = replicas * micro
