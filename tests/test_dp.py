@@ -23,6 +23,7 @@ from src.models.components.toy_net import ToyNet
 from src.models.regression_module import RegressionModule
 from src.strategies.dp import DataParallelStrategy
 from src.strategies.dp.shards import ShardRunner
+from src.strategies.launchers import preflight
 from src.utils.errors import ConfigError
 from src.utils.lightning_compat import replica_sharing_parameters as shared_replica
 from tests.helpers.run_if import requires_2_gpus
@@ -224,6 +225,8 @@ def test_bad_configurations_fail_early():
     compiled = RegressionModule(net=ToyNet(), optimizer=partial(torch.optim.SGD, lr=0.1), compile=True)
     with pytest.raises(ConfigError, match="model.compile=false"):
         _trainer("dp", 2, max_steps=1).fit(compiled, ToyDataModule(num_samples=64, val_size=16, batch_size=8))
+    with pytest.raises(ConfigError, match=r"net \(model.compile=true\).*fix: set model.compile=false"):  # pre-flight
+        preflight(_trainer("dp", 2, max_steps=1), compiled, ToyDataModule(num_samples=64, val_size=16, batch_size=8))
 
 
 @pytest.mark.fast

@@ -46,6 +46,11 @@ from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 
 
+def _refuse_bound_forwards(modules: list[str]) -> None:
+    raise ConfigError(f"dp cannot replicate modules whose forward is bound to the instance ({', '.join(modules)}; e.g. "
+                      "by torch.compile): a replica would run the original's parameters; fix: set model.compile=false")
+
+
 class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
     """Split each batch across ``trainer.devices`` devices of one process; see the module docstring.
 
@@ -160,6 +165,8 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
         """What dp checks before training (:func:`src.strategies.launchers.preflight`): the model, then that
         every device gets a sample of any DataModule's batch (else the first training step fails)."""
         self._check_model(model)
+        if (getattr(model, "hparams", None) or {}).get("compile"):  # a StepModule compiles its net in setup
+            _refuse_bound_forwards(["net (model.compile=true)"])
         hparams = getattr(datamodule, "hparams", None) or {}
         check_dp_batch(hparams.get("batch_size", getattr(datamodule, "batch_size", None)), len(self.parallel_devices))
 
@@ -189,10 +196,7 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
         # After LightningModule.setup, so a compiled net is visible here, before training.
         bound = compat.bound_forwards(self.lightning_module)
         if bound:
-            raise ConfigError(
-                f"dp cannot replicate modules whose forward is bound to the instance ({', '.join(bound)}; e.g. by "
-                "torch.compile): a replica would run the original's parameters; fix: set model.compile=false"
-            )
+            _refuse_bound_forwards(bound)
         super().setup(trainer)
         self._runner = ShardRunner(len(self.parallel_devices))
         _seed_devices_apart(self.parallel_devices)
