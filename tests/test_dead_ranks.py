@@ -17,6 +17,7 @@ import time
 
 import psutil
 import pytest
+import yaml
 
 from tests.helpers.training_runs import finish, run_dirs, start, wait_for_checkpoint
 
@@ -60,6 +61,9 @@ def test_a_failed_rank_ends_the_job_and_is_named(tmp_path, victim, fault, strate
         assert re.match(rf"error: rank {victim} \(host \S+, pid {hit.pid}\) (died|stopped responding)", lines[0])
         assert "Traceback" not in proc.stderr_text
     (run_dir,) = run_dirs(tmp_path)
+    if code is not None:  # rank 0 lived to record why the run ended
+        status = yaml.safe_load((run_dir / "status.yaml").read_text())
+        assert status["status"] == "failed" and status["detail"].startswith(f"rank {victim} (host "), status
     assert (run_dir / "checkpoints" / "last.ckpt").exists()  # resumable: re-running the command continues
 
 

@@ -162,11 +162,19 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
     """
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from src.runtime.watchdog import before_the_watchdog_ends_this_rank  # torch: imported when a task runs
+
     if launch_context().is_launching_process:  # before fit the ranks are not known yet
         write_status(run_dir, RUNNING)
     record = RunStatus(trainer, run_dir)
+
+    def ended_by_the_watchdog(why: str) -> None:  # a peer died, froze or got stuck: this process ends at once
+        if trainer.is_global_zero:
+            write_status(run_dir, FAILED, f"{why} at epoch {trainer.current_epoch}, global step {trainer.global_step}")
+
     try:
-        yield record
+        with before_the_watchdog_ends_this_rank(ended_by_the_watchdog):
+            yield record
     except BaseException as err:
         if trainer.is_global_zero:
             preempted = isinstance(err, SIGTERMException) or getattr(err, "preempted", False)
