@@ -119,19 +119,19 @@ METRICS_KEY = "running_metrics_per_rank"
 
 
 class ResumeMetricState(Callback):
-    """Save each rank's running metrics in every checkpoint; put this rank's back when training resumes.
+    """Save the running metrics in every checkpoint, once per data-parallel replica; put them back on resume.
 
     An epoch's training loss and accuracy accumulate over the epoch's batches (torchmetrics states, per
     rank), and a best-so-far tracker over epochs. Neither is in a checkpoint: a run resumed mid-epoch
     would log that epoch's mean over the batches after the resume only. The module names the metrics
     that carry over (``resumable_metrics(mid_epoch)``, :class:`src.models.step_module.StepModule`); their
     states are gathered as :class:`ResumeRandomState` gathers random states, kept once per data-parallel
-    replica (every stage of a pipeline holds its replica's copy), and restored at ``on_train_start``. The epoch's own metrics are kept only by a save inside a training epoch, and
-    restored only when the resume goes on with that epoch. On another number of replicas, the saved replicas'
-    states are merged (torchmetrics' ``merge_state``) into the whole run's state, which is then shared out so
-    that the ranks' synced value is the same: a metric synced by max or min (the best-so-far tracker) goes
-    whole to every rank; one synced by sum (the epoch's sums and counts) goes to rank 0, and the other ranks
-    start empty.
+    replica (every stage of a pipeline holds its replica's copy), and restored at ``on_train_start``. The
+    epoch's own metrics are kept only by a save inside a training epoch, and restored only when the resume
+    goes on with that epoch. On another number of replicas, each state is reduced over the saved replicas as
+    the metric syncs it, and shared out so that the synced value is the same: a state synced by max, min or
+    mean (the best-so-far tracker) goes whole to every replica; one synced by sum (the epoch's sums and
+    counts) goes to replica 0, and the other replicas start empty.
     """
 
     def __init__(self) -> None:
