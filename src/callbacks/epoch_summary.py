@@ -6,6 +6,7 @@ import time
 
 from lightning import Callback, LightningModule, Trainer
 
+from src.strategies.global_batch import data_replica
 from src.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
@@ -41,7 +42,7 @@ class EpochSummary(Callback):
         seconds = time.perf_counter() - self._start
         train_seconds = self._train_end - self._start
         # Every data-parallel replica processed the same number of batches of the same size.
-        replicas = int((getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1))
+        replicas, _ = data_replica(trainer.strategy)
         throughput = self._samples * replicas / max(train_seconds, 1e-9)
         pl_module.log("perf/samples_per_sec", float(throughput), on_epoch=True, sync_dist=True)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}

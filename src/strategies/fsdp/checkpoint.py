@@ -85,11 +85,10 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, state: dict[str, Any]
     """``set_optimizer_state_dict``, keeping the live optimizer's implementation choices. An optimizer with no
     per-parameter state (SGD without momentum) gets its groups' settings only: torch's full-state loader has no
     tensor to place and fails on it."""
-    groups = state.get("param_groups", [])
-    for saved, live in zip(groups, optimizer.param_groups, strict=False):
+    stateless = not state.get("state")
+    for saved, live in zip(state.get("param_groups", []), optimizer.param_groups, strict=False):
         saved.update({key: live[key] for key in IMPLEMENTATION_KEYS if key in live})
-    if not state.get("state"):
-        for saved, live in zip(groups, optimizer.param_groups, strict=False):
+        if stateless:
             live.update({key: value for key, value in saved.items() if key not in ("params", "param_names")})
-        return
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=full))
+    if not stateless:
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=full))
