@@ -27,7 +27,7 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
-from src.checkpointing.last_checkpoint import best_checkpoint
+from src.checkpointing.last_checkpoint import best_checkpoint, run_position
 from src.checkpointing.required import with_resume_callbacks
 from src.checkpointing.start import check_checkpoint, resume_checkpoint
 from src.run.status import completed_task, run_status, task_overrides
@@ -86,8 +86,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
             fit(cfg, trainer, model, datamodule, ckpt_path)
         status.metrics = dict(trainer.callback_metrics)
         if cfg.get("test"):
-            status.note(f"training finished at epoch {trainer.current_epoch}, global step {trainer.global_step}; "
-                        "testing")
+            status.note(f"training finished at {run_position(trainer)}; testing")
             ckpt = best_checkpoint(trainer)
             if not ckpt:
                 log.warning("No best checkpoint found: testing the weights at the end of training")

@@ -173,6 +173,9 @@ def test_ddp_spawn_returns_metrics_to_parent(make_cfg):
     with open(version / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert any(row["val/acc"] for row in rows) and rows[-1]["test/acc"]
+    # the parent's own trainer ran no loop: where the run ended is the ranks' (it was "epoch 0, global step 0")
+    epochs = cfg.trainer.max_epochs
+    assert f'detail: "epoch {epochs}, global step {4 * epochs}"' in (Path(cfg.paths.output_dir) / "status.yaml").read_text()
 
 
 class CountsFirstBatch(Callback):

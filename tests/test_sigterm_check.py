@@ -126,3 +126,35 @@ def test_note_outside_fit_keeps_lightnings_stop():
     trainer.state.fn = TrainerFn.TESTING
     note(signal.SIGTERM, None)
     assert trainer.received_sigterm
+
+
+def test_a_spawned_ranks_stop_reaches_its_parent_as_the_same_stop():
+    """Under ddp_spawn the parent learns of a stop from the ranks' exit codes: Lightning's own stop (outside fit,
+    no code: it would exit 0 and leave the parent waiting for results) exits 143, and the parent raises that
+    stop again; any other exit stays torch's error."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+    from torch.multiprocessing import ProcessExitedException
+
+    from src.runtime.sigterm import Preempted, stop_of_spawned_ranks
+    from src.strategies.launchers import SpawnedRank
+
+    def lightnings_stop() -> None:
+        raise SIGTERMException
+
+    with pytest.raises(SystemExit) as stopped:
+        SpawnedRank(lightnings_stop, None)()
+    assert stopped.value.code == 128 + signal.SIGTERM
+
+    def exited(code: int) -> ProcessExitedException:
+        return ProcessExitedException("exited", error_index=0, error_pid=1, exit_code=code)
+
+    assert type(stop_of_spawned_ranks(exited(143), None)) is SIGTERMException  # outside fit: nothing saved
+    assert stop_of_spawned_ranks(exited(1), None) is None
+    assert stop_of_spawned_ranks(exited(128 + signal.SIGKILL), None) is None
+
+    class Fitting:
+        class state:  # noqa: N801 - a stand-in for trainer.state
+            fn = "fit"
+
+    stop = stop_of_spawned_ranks(exited(128 + signal.SIGUSR1), Fitting())
+    assert isinstance(stop, Preempted) and stop.code == 128 + signal.SIGUSR1

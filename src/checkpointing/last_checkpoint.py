@@ -13,11 +13,14 @@ stop signal noted at such a batch waits the same way (:meth:`LastCheckpoint.stop
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -175,6 +178,29 @@ def last_checkpoint_path(trainer: L.Trainer) -> Path:
         return owners[0].path
     dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
     return (Path(dirs[0]) if dirs else Path(trainer.default_root_dir) / CHECKPOINT_DIR) / LAST_NAME
+
+
+def run_position(trainer: L.Trainer) -> str:
+    """"epoch E, global step S" of the training this process's ranks ran.
+
+    A ddp_spawn parent's own trainer runs no loop (Lightning brings back its weights and metrics, not its
+    progress): it has the position its launcher brought back from rank 0 at the end of the fit, else (the ranks
+    stopped on a signal) ``last.ckpt``'s, memory-mapped, without loading its tensors.
+    """
+    launcher = trainer.strategy.launcher
+    if isinstance(launcher, compat.MultiProcessingLauncher) and launcher.procs:  # the parent that spawned them
+        brought_back = getattr(launcher, "ranks_position", None)
+        if brought_back:
+            return brought_back
+        with contextlib.suppress(OSError, RuntimeError, KeyError, pickle.UnpicklingError):
+            saved = torch.load(last_checkpoint_path(trainer), map_location="cpu", weights_only=True, mmap=True)
+            return f"epoch {saved['epoch']}, global step {saved['global_step']}"
+    return trainer_position(trainer)
+
+
+def trainer_position(trainer: L.Trainer) -> str:
+    """"epoch E, global step S" of this process's own trainer."""
+    return f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
 
 
 def best_checkpoint(trainer: L.Trainer) -> str:

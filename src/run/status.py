@@ -162,6 +162,7 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
     """
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from src.checkpointing.last_checkpoint import run_position  # it builds on this module
     from src.runtime.watchdog import before_the_watchdog_ends_this_rank  # torch: imported when a task runs
 
     if launch_context().is_launching_process:  # before fit the ranks are not known yet
@@ -170,7 +171,7 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
 
     def ended_by_the_watchdog(why: str) -> None:  # a peer died, froze or got stuck: this process ends at once
         if trainer.is_global_zero:
-            write_status(run_dir, FAILED, f"{why} at epoch {trainer.current_epoch}, global step {trainer.global_step}")
+            write_status(run_dir, FAILED, f"{why} at {run_position(trainer)}")
 
     try:
         with before_the_watchdog_ends_this_rank(ended_by_the_watchdog):
@@ -178,12 +179,13 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
     except BaseException as err:
         if trainer.is_global_zero:
             preempted = isinstance(err, SIGTERMException) or getattr(err, "preempted", False)
-            where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
-            stage = "" if trainer.state.fn in (None, "fit") else f" during {trainer.state.fn}"
+            where = run_position(trainer)
+            stage = "" if trainer.state.fn in (None, "fit") else f" during {trainer.state.fn.value}"
             # Lightning answers Ctrl-C with sys.exit(1) inside its KeyboardInterrupt handler
             interrupted = isinstance(err, KeyboardInterrupt) or isinstance(err.__context__, KeyboardInterrupt)
             if preempted:
-                status, detail = PREEMPTED, f"{err} at {where}"
+                # Lightning's own stop (outside fit) carries no message: it saved nothing
+                status, detail = PREEMPTED, f"{err} at {where}" if str(err) else f"SIGTERM{stage} at {where}, nothing saved"
             elif interrupted:
                 status, detail = INTERRUPTED, f"Ctrl-C (KeyboardInterrupt){stage} at {where}"
             else:
@@ -193,8 +195,7 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
         raise
     if trainer.is_global_zero:
         ended = next((c.ended_run_as for c in trainer.callbacks if isinstance(c, EndsRunAs) and c.ended_run_as), None)
-        where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
-        write_status(run_dir, *(ended or (FINISHED, where)), overrides=list(overrides),
+        write_status(run_dir, *(ended or (FINISHED, run_position(trainer))), overrides=list(overrides),
                      metrics=plain_metrics(record.metrics))
 
 

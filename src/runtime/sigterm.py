@@ -32,10 +32,11 @@ runs get the same stop, checked after every batch, from :class:`src.checkpointin
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -43,7 +44,7 @@ import torch.distributed as dist
 from lightning import Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from src.checkpointing.last_checkpoint import last_checkpoint_path
+from src.checkpointing.last_checkpoint import last_checkpoint_path, run_position
 from src.runtime.launch_context import launch_context
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
@@ -85,7 +86,7 @@ def check_interval(every_n_batches: object) -> int:
 def stop_for_preemption(trainer: Trainer, signum: int) -> NoReturn:
     """On every rank at the agreed batch: save ``last.ckpt``, requeue on SLURM after SIGUSR1, raise :class:`Preempted`."""
     name = signal.Signals(signum).name
-    where = f"epoch {trainer.current_epoch}, global step {trainer.global_step}"
+    where = run_position(trainer)
     path = last_checkpoint_path(trainer)
     trainer.save_checkpoint(path, weights_only=False)  # every rank takes part, global rank 0 writes
     log.info(f"{name}: every rank stopped at {where}; saved {path}. Re-run the same command to resume.",
@@ -97,6 +98,53 @@ def stop_for_preemption(trainer: Trainer, signum: int) -> NoReturn:
         requeued = requeue_slurm_job() if trainer.is_global_zero else True
     compat.mark_sigterm_received(trainer)
     raise Preempted(signum, requeued)
+
+
+def stop_exit_code(err: SIGTERMException) -> int:
+    """The exit code of a stop: a :class:`Preempted`'s own, or 143 for Lightning's own stop outside fit, which
+    carries none (it would exit 0, and a stopped job must not look successful)."""
+    return err.code if isinstance(err.code, int) else 128 + signal.SIGTERM
+
+
+@contextlib.contextmanager
+def passed_on_to_spawned_ranks(launcher: Any) -> Iterator[None]:
+    """While this process waits for the ranks it spawned (``ddp_spawn``), a stop signal sent to it alone
+    (``kill <pid>``, a scheduler signalling the process it started) goes on to every rank, which save and
+    stop at the agreed batch. Python's default would end this process at once and leave the ranks training
+    on, orphaned, with the run still recorded as running.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    parent = os.getpid()
+
+    def pass_on(signum: int, frame: Any) -> None:
+        if os.getpid() != parent:  # a forked rank, before its strategy installs its own handler: the default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        log.info(f"Received {signal.Signals(signum).name}: passed on to the ranks, which save and stop at the next "
+                 "check", rank=None)
+        launcher.kill(signum)
+
+    previous = {signum: signal.signal(signum, pass_on) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def stop_of_spawned_ranks(err: BaseException, trainer: Trainer | None) -> SIGTERMException | None:
+    """The stop that a spawned rank's exit code reports (128 + a stop signal, torch's ``ProcessExitedException``),
+    to raise again in the parent so that its run status and exit code say so; None for any other failure."""
+    code = getattr(err, "exit_code", None)
+    signum = code - 128 if isinstance(code, int) else 0
+    if signum not in STOP_SIGNALS:
+        return None
+    if trainer is None or trainer.state.fn != "fit":  # Lightning's own stop: nothing was saved
+        return SIGTERMException()
+    return Preempted(signum)
 
 
 def requeue_slurm_job() -> bool:

@@ -26,13 +26,17 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
+from torch.multiprocessing import ProcessExitedException
 
+from src.checkpointing.last_checkpoint import trainer_position
 from src.runtime.child_guard import guard_child_ranks
 from src.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
 from src.runtime.hydra_launch import entry_command
 from src.runtime.local_store import STORE_ENV, prepare_local_store
 from src.runtime.rendezvous import check_rendezvous
+from src.runtime.sigterm import passed_on_to_spawned_ranks, stop_exit_code, stop_of_spawned_ranks
 from src.strategies.global_batch import per_replica_batch_size
 from src.utils import lightning_compat as compat
 from src.utils.hooks import ChecksBeforeLaunch, FetchesData, GlobalBatch
@@ -116,12 +120,38 @@ class PreflightSubprocessLauncher(compat.SubprocessScriptLauncher):
 
 class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
     """Lightning's spawn launcher: checks the run first, in the parent, before any rank starts; each rank logs
-    where the parent logs, and a rank that lost its peer stops quietly (:class:`SpawnedRank`)."""
+    where the parent logs, and a rank that lost its peer stops quietly (:class:`SpawnedRank`). A stop signal to
+    the parent goes on to the ranks, and their stop is the parent's: its status and exit code say so."""
+
+    ranks_position: str | None = None  # where the last fit ended, brought back from rank 0
 
     def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         _preflight_launch(trainer, args, fresh_store=True)
-        with _local_store_for_this_launch():
-            return super().launch(SpawnedRank(function, _job_logging()), *args, trainer=trainer, **kwargs)
+        with _local_store_for_this_launch(), passed_on_to_spawned_ranks(self):
+            try:
+                return super().launch(SpawnedRank(function, _job_logging()), *args, trainer=trainer, **kwargs)
+            except ProcessExitedException as err:  # the ranks stopped on a signal: this process reports the stop
+                stop = stop_of_spawned_ranks(err, trainer)
+                if stop is None:
+                    raise
+                raise stop from None
+
+
+    def get_extra_results(self, trainer: L.Trainer) -> dict[str, Any]:
+        """On rank 0, after a fit: Lightning's extras, plus where the fit ended (the parent's trainer ran no loop)."""
+        extra = super().get_extra_results(trainer)
+        if trainer.state.fn == "fit":
+            extra[_POSITION] = trainer_position(trainer)
+        return extra
+
+    def update_main_process_results(self, trainer: L.Trainer, extra: dict[str, Any]) -> None:
+        """In the parent: keep the position brought back (read by ``run_position``), then Lightning's updates."""
+        if _POSITION in extra:
+            self.ranks_position = extra.pop(_POSITION)
+        super().update_main_process_results(trainer, extra)
+
+
+_POSITION = "src.ranks_position"  # a key of Lightning's extra results, which must not meet Lightning's own
 
 
 def _job_logging() -> dict[str, Any] | None:
@@ -150,6 +180,8 @@ class SpawnedRank:
             own_tensor_attributes(module)
         try:
             return self.function(*args, **kwargs)
+        except SIGTERMException as err:  # its exit code is how the parent learns of the stop
+            raise SystemExit(stop_exit_code(err)) from None
         except Exception as err:
             if peer_failed(err):
                 exit_after_peer_failure(current_rank())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from omegaconf import DictConfig
 
 from src.run.directory import discard_refused_run_dir
 from src.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
+from src.runtime.sigterm import stop_exit_code
 from src.utils.errors import ConfigError, UserError, exit_with_error, user_error_cause
 from src.utils.pylogger import RankedLogger, current_rank
 from src.utils.rich_utils import print_config_tree
@@ -54,7 +54,7 @@ def reported(task: Callable[[DictConfig], tuple[dict, dict]], cfg: DictConfig) -
         return task(cfg)
     except SIGTERMException as err:
         if err.code is None:  # Lightning's own stop (validate/test): a stopped job must not look successful
-            raise SystemExit(128 + signal.SIGTERM) from None
+            raise SystemExit(stop_exit_code(err)) from None
         if getattr(err, "requeued", False):  # no result for Hydra or submitit: the requeued job gives it
             raise SystemExit(err.code) from None
         raise
