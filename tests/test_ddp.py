@@ -223,6 +223,19 @@ def test_ddp_spawn_names_the_rank_that_failed_not_its_healthy_peer(tmp_path):
     assert re.search(r"\[rank 1\].* - data replica 1/2", log.read_text())
 
 
+@pytest.mark.slow
+def test_ddp_fork_trains_tests_and_records_where_it_ended(tmp_path):
+    """``trainer=ddp_fork`` (the fast CPU start): both ranks train from the forked state, the test metrics come back
+    to the parent, and ``status.yaml`` has the ranks' position, not the parent's untouched trainer's."""
+    proc = run_entry("train", "trainer=ddp_fork", "trainer.devices=2", *TINY_RUN, f"paths.log_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "train" / "runs").iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"\[rank 0\].* - data replica 0/2", log) and re.search(r"\[rank 1\].* - data replica 1/2", log)
+    status = (run_dir / "status.yaml").read_text()
+    assert 'detail: "epoch 1, global step 6"' in status and "test/acc" in status, status
+
+
 def launch_ranks(envs: list[dict], per_rank_args, params_dir: Path) -> list[dict]:
     """Start one ``python src/train.py`` per env (as separate nodes or srun tasks would), wait, load each rank's params."""
     procs = []

@@ -70,8 +70,9 @@ def project(work: Work, prefix: Path, run_dir: Path, *overrides: str) -> list[st
     return cmd
 
 
-def project_ddp(work: Work, prefix: Path, run_dir: Path, nproc: int) -> list[str]:
-    return project(work, prefix, run_dir, "trainer=ddp", f"trainer.devices={nproc}")
+def project_ddp(work: Work, prefix: Path, run_dir: Path, nproc: int, group: str = "ddp") -> list[str]:
+    """``trainer=<group>`` (ddp, ddp_fork) with ``nproc`` ranks."""
+    return project(work, prefix, run_dir, f"trainer={group}", f"trainer.devices={nproc}")
 
 
 def plain(work: Work, prefix: Path, data: str = "in_memory", workers: int = 0, run_dir: Path | None = None) -> list[str]:

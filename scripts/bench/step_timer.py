@@ -6,6 +6,8 @@ Added on the command line, not in any config:
 
 from __future__ import annotations
 
+import multiprocessing
+
 from lightning import Callback, LightningModule, Trainer
 
 from scripts.bench.timeline import Timeline, rank_path
@@ -35,6 +37,8 @@ class StepTimer(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.timeline.epoch_end()
+        if multiprocessing.parent_process() is not None:  # a spawned or forked rank ends without atexit handlers
+            self.timeline.dump()
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.timeline.meta["test_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()

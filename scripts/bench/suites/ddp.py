@@ -1,9 +1,19 @@
-"""DDP: the project's ``trainer=ddp`` vs a plain torch DDP script vs one process, same global batch."""
+"""DDP: the project's ``trainer=ddp`` and ``ddp_fork`` vs a plain torch DDP script vs one process, same global batch."""
 
 from __future__ import annotations
 
 from scripts.bench import contenders, measure
-from scripts.bench.context import Bench, Goal, SuiteResult, headline, median, per_round, same_round, spread
+from scripts.bench.context import (
+    Bench,
+    Goal,
+    SuiteResult,
+    difference,
+    headline,
+    median,
+    per_round,
+    same_round,
+    spread,
+)
 from scripts.bench.report import bar_chart
 
 
@@ -14,6 +24,8 @@ def run(bench: Bench) -> SuiteResult:
     threads_per_rank = max(1, s.threads // n)
     makers = {  # name -> (command builder, ranks, threads per process)
         f"project ddp x{n}": (lambda prefix, run_dir: contenders.project_ddp(work, prefix, run_dir, n), n, threads_per_rank),
+        f"project ddp_fork x{n}": (lambda prefix, run_dir: contenders.project_ddp(work, prefix, run_dir, n, "ddp_fork"),
+                                   n, threads_per_rank),
         f"plain DDP x{n}": (lambda prefix, run_dir: contenders.plain_ddp(work, prefix, n, run_dir), n, threads_per_rank),
         "project 1 process": (lambda prefix, run_dir: contenders.project(work, prefix, run_dir), 1, s.threads),
     }
@@ -30,12 +42,17 @@ def run(bench: Bench) -> SuiteResult:
     project, plain = f"project ddp x{n}", f"plain DDP x{n}"
     vs_plain = {name: same_round(epoch[name], epoch[plain]) for name in makers}
     loop_vs_plain = {name: same_round(loop[name], loop[plain]) for name in makers}
+    first = {name: per_round(runs[name], measure.first_step_s) for name in makers}
+    exit_s = {name: per_round(runs[name], lambda run: run.wall_s) for name in makers}
+    first_extra = {name: same_round(first[name], first[plain], difference) for name in makers}
+    exit_extra = {name: same_round(exit_s[name], exit_s[plain], difference) for name in makers}
     ranks_rss = {name: per_round(runs[name], measure.rank_peak_rss_mb) for name in makers}
     whole_rss = {name: per_round(runs[name], measure.peak_rss_mb) for name in makers}
     result = SuiteResult("ddp", f"DDP, {n} processes on gloo (global batch {work.global_batch})")
     result.columns = ["contender", "threads/rank", "samples/s, whole epochs", "vs plain DDP",
                       "samples/s, training loop only", "vs plain DDP (loop only)", "samples/s incl. start-up",
-                      "to first step s", "peak RSS MiB per rank", "peak RSS MiB, wait4"]
+                      "to first step s", "first step vs plain DDP", "to exit s", "exit vs plain DDP",
+                      "peak RSS MiB per rank", "peak RSS MiB, wait4"]
     for name in makers:
         ok = result.successful(name, runs[name])
         if not ok:
@@ -43,7 +60,8 @@ def run(bench: Bench) -> SuiteResult:
         per_rank = [median([r[i] for r in ranks_rss[name] if r is not None]) for i in range(len(ok[0].timelines))]
         result.rows.append([
             name, str(measure.threads(ok[0])[0]), spread(epoch[name]), headline(vs_plain[name]), spread(loop[name]),
-            headline(loop_vs_plain[name]), spread(overall[name]), spread(per_round(runs[name], measure.first_step_s)),
+            headline(loop_vs_plain[name]), spread(overall[name]), spread(first[name]),
+            headline(first_extra[name], "{:+.2f}", " s"), spread(exit_s[name]), headline(exit_extra[name], "{:+.2f}", " s"),
             " / ".join("-" if v is None else f"{v:,.0f}" for v in per_rank), spread(whole_rss[name]),
         ])
     whole, only_loop = median(vs_plain[project]), median(loop_vs_plain[project])
@@ -52,6 +70,9 @@ def run(bench: Bench) -> SuiteResult:
              whole >= 0.97 if whole else None),
         Goal(f"project ddp >= 0.97x plain DDP script (training loop only, {n} ranks)",
              headline(loop_vs_plain[project]), only_loop >= 0.97 if only_loop else None),
+        *(Goal(f"{name}: whole process <= plain DDP script + 3 s", headline(exit_extra[name], "{:+.2f}", " s"),
+               median(exit_extra[name]) <= 3.0 if median(exit_extra[name]) is not None else None)
+          for name in (project, f"project ddp_fork x{n}")),
     ]
     result.notes.append(
         f"Each rank trains {work.global_batch // n} samples per step ({threads_per_rank} torch thread(s) per rank, "
@@ -70,6 +91,8 @@ def run(bench: Bench) -> SuiteResult:
     result.notes.append(bench.noise_note([run for v in runs.values() for run in v]))
     result.raw = {"samples_per_s": epoch, "loop_samples_per_s": loop, "overall": overall,
                   "vs_plain_same_round": vs_plain, "loop_vs_plain_same_round": loop_vs_plain,
+                  "first_step_s": first, "exit_s": exit_s, "first_step_extra_s_same_round": first_extra,
+                  "exit_extra_s_same_round": exit_extra,
                   "other_load": {name: per_round(runs[name], lambda run: run.other_load) for name in makers},
                   "cpu_s": {name: per_round(runs[name], lambda run: run.cpu_s) for name in makers},
                   "rank_peak_rss_mb": ranks_rss, "peak_rss_mb": whole_rss}
