@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,21 @@ def test_ddp_fork_trains_tests_and_records_where_it_ended(tmp_path):
     assert re.search(r"\[rank 0\].* - data replica 0/2", log) and re.search(r"\[rank 1\].* - data replica 1/2", log)
     status = (run_dir / "status.yaml").read_text()
     assert 'detail: "epoch 1, global step 6"' in status and "test/acc" in status, status
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_status_names_the_failed_ranks_error_not_rank_zeros_lost_connection(tmp_path):
+    """Under ``trainer=ddp`` rank 1 raises; rank 0, which writes ``status.yaml``, only sees gloo's closed connection.
+    The file ends with rank 1's own error (before: rank 0's ``Connection closed by peer``)."""
+    proc = run_entry("train", "trainer=ddp", "trainer.devices=2", *TINY_RUN, "test=false", f"paths.log_dir={tmp_path}",
+                     "+callbacks.fail._target_=tests.helpers.failing_rank.FailingRank", "+callbacks.fail.exit_s=0")
+    assert proc.returncode != 0 and "RuntimeError: the failure of rank 1" in proc.stderr, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "train" / "runs").iterdir()
+    deadline = time.monotonic() + 30  # rank 1 may still be ending when the launched process has exited
+    while "rank 1: RuntimeError" not in (status := (run_dir / "status.yaml").read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert 'detail: "rank 1: RuntimeError at epoch 0, global step 2: the failure of rank 1"' in status, status
 
 
 def launch_ranks(envs: list[dict], per_rank_args, params_dir: Path) -> list[dict]:

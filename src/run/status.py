@@ -163,40 +163,55 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from src.checkpointing.last_checkpoint import run_position  # it builds on this module
-    from src.runtime.watchdog import before_the_watchdog_ends_this_rank  # torch: imported when a task runs
+    from src.runtime.exit_cleanup import peer_failed  # torch: imported when a task runs
+    from src.runtime.watchdog import before_the_watchdog_ends_this_rank
 
     if launch_context().is_launching_process:  # before fit the ranks are not known yet
         write_status(run_dir, RUNNING)
     record = RunStatus(trainer, run_dir)
 
     def ended_by_the_watchdog(why: str) -> None:  # a peer died, froze or got stuck: this process ends at once
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and not failed_on_another_rank(run_dir):
             write_status(run_dir, FAILED, f"{why} at {run_position(trainer)}")
 
     try:
         with before_the_watchdog_ends_this_rank(ended_by_the_watchdog):
             yield record
     except BaseException as err:
+        preempted = isinstance(err, SIGTERMException) or getattr(err, "preempted", False)
+        where = run_position(trainer)
+        stage = "" if trainer.state.fn in (None, "fit") else f" during {trainer.state.fn.value}"
+        # Lightning answers Ctrl-C with sys.exit(1) inside its KeyboardInterrupt handler
+        interrupted = isinstance(err, KeyboardInterrupt) or isinstance(err.__context__, KeyboardInterrupt)
+        if preempted:
+            # Lightning's own stop (outside fit) carries no message: it saved nothing
+            status, detail = PREEMPTED, f"{err} at {where}" if str(err) else f"SIGTERM{stage} at {where}, nothing saved"
+        elif interrupted:
+            status, detail = INTERRUPTED, f"Ctrl-C (KeyboardInterrupt){stage} at {where}"
+        elif peer_failed(err):  # this rank only lost its connection: the failed rank records its own error
+            status, detail = FAILED, f"another rank failed{stage} at {where} (its error is in the log)"
+        else:
+            status, detail = FAILED, f"{type(err).__name__}{stage} at {where}: {err}"
         if trainer.is_global_zero:
-            preempted = isinstance(err, SIGTERMException) or getattr(err, "preempted", False)
-            where = run_position(trainer)
-            stage = "" if trainer.state.fn in (None, "fit") else f" during {trainer.state.fn.value}"
-            # Lightning answers Ctrl-C with sys.exit(1) inside its KeyboardInterrupt handler
-            interrupted = isinstance(err, KeyboardInterrupt) or isinstance(err.__context__, KeyboardInterrupt)
-            if preempted:
-                # Lightning's own stop (outside fit) carries no message: it saved nothing
-                status, detail = PREEMPTED, f"{err} at {where}" if str(err) else f"SIGTERM{stage} at {where}, nothing saved"
-            elif interrupted:
-                status, detail = INTERRUPTED, f"Ctrl-C (KeyboardInterrupt){stage} at {where}"
-            else:
-                status, detail = FAILED, f"{type(err).__name__}{stage} at {where}: {err}"
-            with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
-                write_status(run_dir, status, detail)
+            if not (peer_failed(err) and failed_on_another_rank(run_dir)):
+                with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
+                    write_status(run_dir, status, detail)
+        elif status == FAILED and not peer_failed(err) and not getattr(trainer.strategy, "outlives_a_failed_rank", False):
+            # the cause, from the rank that failed (under ps the job goes on without a failed worker)
+            with contextlib.suppress(OSError):
+                write_status(run_dir, status, f"rank {trainer.global_rank}: {detail}", rank=trainer.global_rank)
         raise
     if trainer.is_global_zero:
         ended = next((c.ended_run_as for c in trainer.callbacks if isinstance(c, EndsRunAs) and c.ended_run_as), None)
         write_status(run_dir, *(ended or (FINISHED, run_position(trainer))), overrides=list(overrides),
                      metrics=plain_metrics(record.metrics))
+
+
+def failed_on_another_rank(run_dir: str | os.PathLike) -> bool:
+    """A rank other than global rank 0 has recorded its own failure in this attempt (rank 0 set ``running`` at
+    its start): rank 0, which only lost its connection to it, keeps that cause."""
+    fields = read_fields(run_dir)
+    return fields.get("status") == FAILED and fields.get("rank", 0) != 0
 
 
 def plain_metrics(metrics: dict[str, Any]) -> dict[str, float]:

@@ -97,6 +97,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
     names_every_option = True  # src/strategies/options.py
     runs_owned_step = False  # its optimizer step pushes gradients to the servers
     random_state_per_rank = False  # updates depend on when pushes arrive: a resumed run cannot replay bit-exact
+    outlives_a_failed_rank = True  # a worker's failure does not end the job (src/run/status.py)
 
     def __init__(self, num_servers: int = 1, max_staleness: int | None = None, server_device: str = "auto",
                  link_timeout_s: float | None = 120.0, timeout: dt.timedelta | float | None = None, start_method: str = "popen",
