@@ -261,6 +261,18 @@ def test_impossible_combinations(make_cfg, overrides, message, monkeypatch, caps
 
 
 @pytest.mark.fast
+def test_ddp_fork_after_cuda_was_initialized_is_one_line(make_cfg, monkeypatch, capsys):
+    """A forked rank cannot use a CUDA context its parent made (torch raises in every rank): refused before the fork."""
+    from src.train import train
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(SystemExit) as exc:
+        train(make_cfg("train", ["trainer=ddp_fork", "trainer.accelerator=cpu"]))
+    assert exc.value.code == 2
+    assert "CUDA is already initialized in this process" in capsys.readouterr().err
+
+
+@pytest.mark.fast
 def test_impossible_combination_messages(make_cfg, capsys):
     from src.train import train
 

@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
 from src.checkpointing.io import AtomicCheckpointIODefault
@@ -74,6 +75,9 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife,
     def check_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule,
                             datamodule: pl.LightningDataModule | None = None) -> None:
         """What this strategy checks before any rank starts (:func:`src.strategies.launchers.preflight`)."""
+        if compat.start_method_of(self) in ("fork", "forkserver") and torch.cuda.is_initialized():
+            raise ConfigError("trainer.strategy.start_method=fork: CUDA is already initialized in this process, and a "
+                              "forked rank cannot use it; fix: use trainer=ddp (or ddp_spawn) on GPUs")
         if compat.layer_sync_of(self) is not None and self.root_device.type != "cuda":
             raise ConfigError("trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm is GPU-only); fix: "
                               "set trainer.sync_batchnorm=false on CPU")
