@@ -123,13 +123,15 @@ def test_sigterm_to_one_rank_stops_both_at_one_batch_and_resumes_bit_exact(tmp_p
     assert not differing_weights(reference, run_dir)
 
 
-def test_sigterm_to_a_ddp_spawn_parent_alone_stops_its_ranks_and_is_recorded(tmp_path):
+@pytest.mark.parametrize("launch", ["ddp_spawn", "ddp_fork"])
+def test_sigterm_to_a_ddp_spawn_parent_alone_stops_its_ranks_and_is_recorded(tmp_path, launch):
     """``kill <parent pid>`` under ddp_spawn: the parent passes the signal on instead of dying at once (which left
     its ranks training on, orphaned, and the run recorded as running). The ranks save and stop at one batch; the
-    parent exits 143 and records ``preempted`` at the step they saved."""
-    proc = start(tmp_path, "trainer=ddp_spawn", "trainer.devices=2", "trainer.strategy.sigterm_check_every_n_batches=1")
+    parent exits 143 and records ``preempted`` at the step they saved. Forked ranks, which inherit the parent's
+    handler, stop the same way (they were killed by it, with nothing saved)."""
+    proc = start(tmp_path, f"trainer={launch}", "trainer.devices=2", "trainer.strategy.sigterm_check_every_n_batches=1")
     assert wait_for_checkpoint(proc, tmp_path), "the run ended before it wrote a checkpoint"
-    ranks = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    ranks = [p for p in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
     assert len(ranks) == 2, ranks
     os.kill(proc.pid, signal.SIGTERM)  # the parent only
     assert finish(proc) == 128 + signal.SIGTERM, proc.stderr_text[-3000:]
@@ -139,7 +141,7 @@ def test_sigterm_to_a_ddp_spawn_parent_alone_stops_its_ranks_and_is_recorded(tmp
     stops = re.findall(r"\[rank (\d)\].*SIGTERM: every rank stopped at (epoch \d+, global step \d+)",
                        (run_dir / "train.log").read_text())
     assert sorted(rank for rank, _ in stops) == ["0", "1"] and len({where for _, where in stops}) == 1, stops
-    assert f"status: preempted\ndetail: \"SIGTERM, last.ckpt saved; exit code 143 at {stops[0][1]}\"" in \
+    assert f"status: preempted\ndetail: \"SIGTERM, last.ckpt saved; exit code 143 at {stops[0][1]} (the ranks' last save)\"" in \
         status_of(run_dir), status_of(run_dir)
 
 

@@ -88,6 +88,25 @@ def test_plain_trainer_with_the_project_ddp_strategy_stops_both_ranks_at_the_sam
     assert int(stops[0][0][2]) % 5 == 0  # stopped at an agreed check (every 5 batches)
 
 
+@pytest.mark.slow
+def test_a_sigterm_after_the_last_check_still_stops_the_job_before_it_tests(tmp_path):
+    """Checks every 100 batches of a 6-batch fit: the SIGTERM at batch 3 is noted after the only check (batch 0).
+    The ranks agree on it once more at the end of fit, so the job stops there, exit 143 with the final
+    ``last.ckpt``, and does not test (before, the note was forgotten: tested, finished, exit 0)."""
+    from tests.helpers.entry import run_entry
+
+    proc = run_entry("train", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.max_epochs=1",
+                     "++trainer.limit_train_batches=6", "++trainer.limit_val_batches=2", "extras.print_config=false",
+                     "trainer.strategy.sigterm_check_every_n_batches=100", f"paths.log_dir={tmp_path}",
+                     "+callbacks.sigterm._target_=tests.test_last_checkpoint.SigtermDuring", "+callbacks.sigterm.batch=3")
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "train" / "runs").iterdir()
+    status = (run_dir / "status.yaml").read_text()
+    assert "status: preempted" in status and "global step 6" in status, status
+    assert len(STOP.findall(proc.stdout + proc.stderr)) == 2  # both ranks: "every rank stopped at ..."
+    assert "test/acc" not in (run_dir / "csv" / "version_0" / "metrics.csv").read_text()
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "10"])
 def test_bad_interval_is_a_config_error(bad):
@@ -151,6 +170,8 @@ def test_a_spawned_ranks_stop_reaches_its_parent_as_the_same_stop():
     assert type(stop_of_spawned_ranks(exited(143), None)) is SIGTERMException  # outside fit: nothing saved
     assert stop_of_spawned_ranks(exited(1), None) is None
     assert stop_of_spawned_ranks(exited(128 + signal.SIGKILL), None) is None
+    assert stop_of_spawned_ranks(exited(-signal.SIGKILL), None) is None
+    assert type(stop_of_spawned_ranks(exited(-signal.SIGTERM), None)) is SIGTERMException  # before its handlers
 
     class Fitting:
         class state:  # noqa: N801 - a stand-in for trainer.state
@@ -158,3 +179,39 @@ def test_a_spawned_ranks_stop_reaches_its_parent_as_the_same_stop():
 
     stop = stop_of_spawned_ranks(exited(128 + signal.SIGUSR1), Fitting())
     assert isinstance(stop, Preempted) and stop.code == 128 + signal.SIGUSR1
+    assert type(stop_of_spawned_ranks(exited(-signal.SIGTERM), Fitting())) is SIGTERMException  # nothing saved
+
+
+@pytest.mark.fast
+def test_a_stop_signal_while_a_spawned_rank_starts_is_kept_for_its_handlers():
+    """Between a spawned or forked rank's start and its strategy's setup, a stop signal is kept (not Python's
+    default end, nor the parent's handler a fork inherits), and the first agreed check acts on it."""
+    from lightning import Trainer
+
+    from src.runtime import sigterm
+
+    previous = {signum: signal.getsignal(signum) for signum in sigterm.STOP_SIGNALS}
+    try:
+        sigterm.hold_stop_signals()
+        os.kill(os.getpid(), signal.SIGTERM)  # kept: this process lives on
+        trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
+        sync = install_sigterm_agreement(trainer, 10)
+        assert sync.signum == signal.SIGTERM and sigterm._early_stop == 0
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@pytest.mark.fast
+def test_a_ranks_copy_of_the_spawn_launcher_signals_no_process():
+    """A forked rank's launcher still lists the processes of the launch before (fit's, during test): passing a
+    signal on from there would test processes that are not its children (AssertionError in multiprocessing)."""
+    from src.strategies.launchers import PreflightMultiprocessingLauncher
+
+    class Listed:
+        def is_alive(self) -> bool:
+            raise AssertionError("can only test a child process")
+
+    launcher = PreflightMultiprocessingLauncher.__new__(PreflightMultiprocessingLauncher)
+    launcher.procs, launcher.launched_by = [Listed()], os.getpid() + 1
+    launcher.kill(signal.SIGTERM)  # another process's launch: nothing to pass on

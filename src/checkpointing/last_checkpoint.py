@@ -131,6 +131,12 @@ class LastCheckpoint(ModelCheckpoint):
         for logger in trainer.loggers:  # what the run logged is on disk before the checkpoint that ends it
             logger.save()
         self.save(trainer, final=True)  # also after an epoch-end save: the loops now count that epoch as done
+        if self._stop is None:
+            from src.runtime.sigterm import late_stop_signal, stop_for_preemption  # it builds on this module
+
+            late = late_stop_signal(trainer)
+            if late:  # a signal after the last check: the job stops here, before any test
+                self._stop = lambda: stop_for_preemption(trainer, late)
         if self._stop is not None:  # the fit ended where a stop waited: the stop keeps the final save
             self._make_stop(trainer)
 
@@ -184,18 +190,20 @@ def run_position(trainer: L.Trainer) -> str:
     """"epoch E, global step S" of the training this process's ranks ran.
 
     A ddp_spawn parent's own trainer runs no loop (Lightning brings back its weights and metrics, not its
-    progress): it has the position its launcher brought back from rank 0 at the end of the fit, else (the ranks
-    stopped on a signal) ``last.ckpt``'s, memory-mapped, without loading its tensors.
+    progress). After a fit it has the position its launcher brought back from rank 0. When the ranks ended
+    otherwise it can only say where their ``last.ckpt`` is (read memory-mapped, without its tensors): exact
+    after a stop signal, which saves it at the stop; the last save before a failure or a Ctrl-C.
     """
     launcher = trainer.strategy.launcher
-    if isinstance(launcher, compat.MultiProcessingLauncher) and launcher.procs:  # the parent that spawned them
-        brought_back = getattr(launcher, "ranks_position", None)
-        if brought_back:
-            return brought_back
-        with contextlib.suppress(OSError, RuntimeError, KeyError, pickle.UnpicklingError):
-            saved = torch.load(last_checkpoint_path(trainer), map_location="cpu", weights_only=True, mmap=True)
-            return f"epoch {saved['epoch']}, global step {saved['global_step']}"
-    return trainer_position(trainer)
+    if not (isinstance(launcher, compat.MultiProcessingLauncher) and launcher.procs):  # not the spawning parent
+        return trainer_position(trainer)
+    brought_back = getattr(launcher, "ranks_position", None)
+    if brought_back:
+        return brought_back
+    with contextlib.suppress(OSError, RuntimeError, KeyError, pickle.UnpicklingError):
+        saved = torch.load(last_checkpoint_path(trainer), map_location="cpu", weights_only=True, mmap=True)
+        return f"epoch {saved['epoch']}, global step {saved['global_step']} (the ranks' last save)"
+    return "an unknown step (no last.ckpt yet)"
 
 
 def trainer_position(trainer: L.Trainer) -> str:

@@ -58,6 +58,24 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _launcher_handlers: dict[int, Callable[[int, Any], Any]] = {}
 
 
+_early_stop = 0  # a stop signal that reached a spawned or forked rank before its stop handlers were installed
+
+
+def note_early_stop(signum: int, frame: Any) -> None:
+    """The stop-signal handler of a spawned or forked rank until :func:`install_stop_handlers` takes over: the
+    signal is kept for it (Python's default would end the rank with nothing saved)."""
+    global _early_stop
+    _early_stop = max(_early_stop, signum)
+
+
+def hold_stop_signals() -> None:
+    """At the start of a spawned or forked rank (:class:`src.strategies.launchers.SpawnedRank`): keep a stop signal
+    for the handlers its strategy installs, instead of its parent's handler (fork) or Python's default (spawn)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, note_early_stop)
+
+
 class Preempted(SIGTERMException):
     """Every rank stopped on a signal after saving ``last.ckpt``; exits with ``128 + signal number``.
 
@@ -100,6 +118,18 @@ def stop_for_preemption(trainer: Trainer, signum: int) -> NoReturn:
     raise Preempted(signum, requeued)
 
 
+def late_stop_signal(trainer: Trainer) -> int:
+    """A stop signal that came after the fit's last check (the last interval's batches, the last validation):
+    agreed once more at the end of fit, on every rank, so the job still stops before it tests (0: none).
+
+    One process, or the agreed stop of :func:`stop_for_preemption` (ps stops each role its own way).
+    """
+    sync = compat.per_batch_check_of(trainer)
+    if not isinstance(sync, SigtermSync) or (trainer.world_size > 1 and sync.on_signal is not stop_for_preemption):
+        return 0
+    return sync.final_agreement()
+
+
 def stop_exit_code(err: SIGTERMException) -> int:
     """The exit code of a stop: a :class:`Preempted`'s own, or 143 for Lightning's own stop outside fit, which
     carries none (it would exit 0, and a stopped job must not look successful)."""
@@ -119,9 +149,8 @@ def passed_on_to_spawned_ranks(launcher: Any) -> Iterator[None]:
     parent = os.getpid()
 
     def pass_on(signum: int, frame: Any) -> None:
-        if os.getpid() != parent:  # a forked rank, before its strategy installs its own handler: the default
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if os.getpid() != parent:  # a forked rank, before SpawnedRank holds its stop signals
+            note_early_stop(signum, frame)
             return
         log.info(f"Received {signal.Signals(signum).name}: passed on to the ranks, which save and stop at the next "
                  "check", rank=None)
@@ -136,15 +165,20 @@ def passed_on_to_spawned_ranks(launcher: Any) -> Iterator[None]:
 
 
 def stop_of_spawned_ranks(err: BaseException, trainer: Trainer | None) -> SIGTERMException | None:
-    """The stop that a spawned rank's exit code reports (128 + a stop signal, torch's ``ProcessExitedException``),
-    to raise again in the parent so that its run status and exit code say so; None for any other failure."""
+    """The stop that a spawned rank's end reports (torch's ``ProcessExitedException``), to raise again in the
+    parent so that its run status and exit code say so; None for any other failure.
+
+    Exit 128 + a stop signal in fit: the ranks saved ``last.ckpt`` at the agreed batch. Outside fit (Lightning's
+    own stop), or a rank ended by the signal itself (it came before the rank's handlers): nothing was saved.
+    """
     code = getattr(err, "exit_code", None)
-    signum = code - 128 if isinstance(code, int) else 0
-    if signum not in STOP_SIGNALS:
+    if not isinstance(code, int):
         return None
-    if trainer is None or trainer.state.fn != "fit":  # Lightning's own stop: nothing was saved
+    if code - 128 in STOP_SIGNALS and trainer is not None and trainer.state.fn == "fit":
+        return Preempted(code - 128)
+    if code - 128 in STOP_SIGNALS or -code in STOP_SIGNALS:
         return SIGTERMException()
-    return Preempted(signum)
+    return None
 
 
 def requeue_slurm_job() -> bool:
@@ -245,6 +279,18 @@ class SigtermSync:
             self._pending = (flag, None)
         return agreed
 
+    def final_agreement(self) -> int:
+        """At the end of fit, on every rank: the largest stop signal any rank noted since the last check, or
+        that the last check agreed on and nobody read yet (0: none)."""
+        if not (self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized()):
+            return self.signum
+        agreed = self._agree()  # the last check's round; this one's notes sent
+        host, copied = self._pending
+        if copied is not None:
+            copied.synchronize()
+        self._pending = None
+        return max(agreed, int(host[0]))
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_pending": None}  # CUDA events do not pickle; nothing is in flight at a launch
 
@@ -279,9 +325,14 @@ def install_sigterm_agreement(trainer: Trainer, every_n_batches: int) -> Sigterm
 def install_stop_handlers(trainer: Trainer, every_n_batches: int,
                           on_signal: Callable[[Trainer, int], None] | None = None) -> SigtermSync:
     """Handlers for SIGTERM (through Lightning's connector) and SIGUSR1; the loop's check is the returned sync."""
+    global _early_stop
     sync = SigtermSync(trainer, every_n_batches, on_signal)
     note = SigtermNote(sync)
     compat.replace_sigterm_check(trainer, sync, note)
+    if _early_stop:  # received while this rank started: agreed at the first check
+        log.info(f"Received {signal.Signals(_early_stop).name} while starting; the job saves and stops at the next "
+                 "check", rank=None)
+        sync.signum, _early_stop = max(sync.signum, _early_stop), 0
     if threading.current_thread() is threading.main_thread():
         # Lightning registers SIGUSR1 only for SLURM auto-requeue, and not over a handler already there
         with contextlib.suppress(ValueError, OSError):

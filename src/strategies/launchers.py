@@ -36,7 +36,12 @@ from src.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
 from src.runtime.hydra_launch import entry_command
 from src.runtime.local_store import STORE_ENV, prepare_local_store
 from src.runtime.rendezvous import check_rendezvous
-from src.runtime.sigterm import passed_on_to_spawned_ranks, stop_exit_code, stop_of_spawned_ranks
+from src.runtime.sigterm import (
+    hold_stop_signals,
+    passed_on_to_spawned_ranks,
+    stop_exit_code,
+    stop_of_spawned_ranks,
+)
 from src.strategies.global_batch import per_replica_batch_size
 from src.utils import lightning_compat as compat
 from src.utils.hooks import ChecksBeforeLaunch, FetchesData, GlobalBatch
@@ -124,9 +129,11 @@ class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
     the parent goes on to the ranks, and their stop is the parent's: its status and exit code say so."""
 
     ranks_position: str | None = None  # where the last fit ended, brought back from rank 0
+    launched_by: int | None = None  # the pid of the process that started the ranks
 
     def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         _preflight_launch(trainer, args, fresh_store=True)
+        self.launched_by = os.getpid()
         with _local_store_for_this_launch(), passed_on_to_spawned_ranks(self):
             try:
                 return super().launch(SpawnedRank(function, _job_logging()), *args, trainer=trainer, **kwargs)
@@ -136,6 +143,12 @@ class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
                     raise
                 raise stop from None
 
+
+    def kill(self, signum: int) -> None:
+        """Pass ``signum`` on to the ranks this process started; a rank's own copy of the launcher (spawned, or
+        forked with the last launch's process list) has none."""
+        if os.getpid() == self.launched_by:
+            super().kill(signum)
 
     def get_extra_results(self, trainer: L.Trainer) -> dict[str, Any]:
         """On rank 0, after a fit: Lightning's extras, plus where the fit ended (the parent's trainer ran no loop)."""
@@ -165,15 +178,17 @@ def _job_logging() -> dict[str, Any] | None:
 
 
 class SpawnedRank:
-    """A spawned rank's work. A spawned process starts with no logging set up, so it first takes the parent's
-    Hydra job logging (its lines reach the console and the run's log file, tagged with its rank). When a
-    collective lost its peer: one quiet line and a wait for the parent, which then names the rank that failed
-    (torch's spawn reports the first rank to exit with an error)."""
+    """A spawned (or forked) rank's work. It first holds stop signals for the handlers its strategy installs
+    (:func:`src.runtime.sigterm.hold_stop_signals`). A spawned process starts with no logging set up, so it then
+    takes the parent's Hydra job logging (its lines reach the console and the run's log file, tagged with its
+    rank). When a collective lost its peer: one quiet line and a wait for the parent, which then names the rank
+    that failed (torch's spawn reports the first rank to exit with an error)."""
 
     def __init__(self, function: Callable, job_logging: dict[str, Any] | None) -> None:
         self.function, self.job_logging = function, job_logging
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hold_stop_signals()
         if self.job_logging is not None:
             logging.config.dictConfig(self.job_logging)
         for module in (a for a in args if isinstance(a, nn.Module)):

@@ -285,6 +285,11 @@ def replace_sigterm_check(trainer: Trainer, per_batch_check: Callable[[], None],
     setattr(trainer._signal_connector, _SIGTERM_HANDLER, handler)
 
 
+def per_batch_check_of(trainer: Trainer) -> Any:
+    """What runs before every training batch in place of Lightning's SIGTERM broadcast (None: Lightning's own)."""
+    return vars(trainer.fit_loop.epoch_loop).get(_PER_BATCH_CHECK)
+
+
 def mark_sigterm_received(trainer: Trainer) -> None:
     """Tell Lightning this rank was signalled, so it stops (and its callbacks see it) as after its own handler."""
     trainer._signal_connector.received_sigterm = True
