@@ -225,16 +225,28 @@ def test_ddp_spawn_names_the_rank_that_failed_not_its_healthy_peer(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_fork_trains_tests_and_records_where_it_ended(tmp_path):
-    """``trainer=ddp_fork`` (the fast CPU start): both ranks train from the forked state, the test metrics come back
-    to the parent, and ``status.yaml`` has the ranks' position, not the parent's untouched trainer's."""
-    proc = run_entry("train", "trainer=ddp_fork", "trainer.devices=2", *TINY_RUN, f"paths.log_dir={tmp_path}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.mark.faults
+def test_ddp_fork_stops_at_the_end_of_fit_on_a_late_sigterm_then_the_same_command_tests(tmp_path):
+    """``trainer=ddp_fork`` (the fast CPU start), checking every 100 batches of a 6-batch fit: the SIGTERM each rank
+    gets at batch 3 comes after the only check (batch 0). The ranks agree once more at the end of fit, so the job
+    stops there, exit 143 with the final ``last.ckpt``, and does not test (before, the note was forgotten: it
+    tested and exited 0). The same command then tests, and ``status.yaml`` has where the ranks' fit ended."""
+    command = ["train", "trainer=ddp_fork", "trainer.devices=2", *TINY_RUN, f"paths.log_dir={tmp_path}",
+               "trainer.strategy.sigterm_check_every_n_batches=100",
+               "+callbacks.sigterm._target_=tests.test_last_checkpoint.SigtermDuring", "+callbacks.sigterm.batch=3"]
+    stopped = run_entry(*command)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
     (run_dir,) = (tmp_path / "train" / "runs").iterdir()
     log = (run_dir / "train.log").read_text()
-    assert re.search(r"\[rank 0\].* - data replica 0/2", log) and re.search(r"\[rank 1\].* - data replica 1/2", log)
+    assert sorted(re.findall(r"\[rank (\d)\].*SIGTERM: every rank stopped at epoch 1, global step 6", log)) == ["0", "1"]
+    assert "status: preempted" in (run_dir / "status.yaml").read_text()
+    assert "test/acc" not in (run_dir / "csv" / "version_0" / "metrics.csv").read_text()
+
+    again = run_entry(*command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert list((tmp_path / "train" / "runs").iterdir()) == [run_dir]  # the same run, resumed from its final save
     status = (run_dir / "status.yaml").read_text()
-    assert 'detail: "epoch 1, global step 6"' in status and "test/acc" in status, status
+    assert 'status: finished\ndetail: "epoch 1, global step 6"' in status and "test/acc" in status, status
 
 
 @pytest.mark.slow
