@@ -183,20 +183,21 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
         stage = "" if trainer.state.fn in (None, "fit") else f" during {trainer.state.fn.value}"
         # Lightning answers Ctrl-C with sys.exit(1) inside its KeyboardInterrupt handler
         interrupted = isinstance(err, KeyboardInterrupt) or isinstance(err.__context__, KeyboardInterrupt)
+        lost_peer = peer_failed(err)
         if preempted:
             # Lightning's own stop (outside fit) carries no message: it saved nothing
             status, detail = PREEMPTED, f"{err} at {where}" if str(err) else f"SIGTERM{stage} at {where}, nothing saved"
         elif interrupted:
             status, detail = INTERRUPTED, f"Ctrl-C (KeyboardInterrupt){stage} at {where}"
-        elif peer_failed(err):  # this rank only lost its connection: the failed rank records its own error
+        elif lost_peer:  # this rank only lost its connection: the failed rank records its own error
             status, detail = FAILED, f"another rank failed{stage} at {where} (its error is in the log)"
         else:
             status, detail = FAILED, f"{type(err).__name__}{stage} at {where}: {err}"
         if trainer.is_global_zero:
-            if not (peer_failed(err) and failed_on_another_rank(run_dir)):
+            if not (lost_peer and failed_on_another_rank(run_dir)):
                 with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
                     write_status(run_dir, status, detail)
-        elif status == FAILED and not peer_failed(err) and not getattr(trainer.strategy, "outlives_a_failed_rank", False):
+        elif status == FAILED and not lost_peer and not getattr(trainer.strategy, "outlives_a_failed_rank", False):
             # the cause, from the rank that failed (under ps the job goes on without a failed worker)
             with contextlib.suppress(OSError):
                 write_status(run_dir, status, f"rank {trainer.global_rank}: {detail}", rank=trainer.global_rank)

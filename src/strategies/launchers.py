@@ -217,8 +217,13 @@ def own_tensor_attributes(module: nn.Module) -> None:
 
     for sub in module.modules():
         for name, value in list(vars(sub).items()):
-            owned = [own(v) for v in value] if isinstance(value, list) else own(value)
-            if any(o is not v for o, v in zip(owned, value, strict=True)) if isinstance(value, list) else owned is not value:
+            if isinstance(value, list):
+                owned = [own(v) for v in value]
+                changed = any(o is not v for o, v in zip(owned, value, strict=True))
+            else:
+                owned = own(value)
+                changed = owned is not value
+            if changed:
                 object.__setattr__(sub, name, owned)  # a plain attribute: not a parameter, buffer or submodule
 
 
