@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from src.run.status import FINISHED, read_status
 from tests.helpers.training_runs import (
     differing_weights,
     finish,
@@ -42,6 +43,12 @@ def kill_during_save(proc: subprocess.Popen, log_dir: Path, timeout: float = 60)
     return False
 
 
+def finished(log_dir: Path) -> bool:
+    """Whether a run under ``log_dir`` has recorded ``finished``: a kill after that (the process was only
+    ending) interrupted nothing, and a re-run of the command would start a new run."""
+    return any(read_status(d) == FINISHED for d in run_dirs(log_dir))
+
+
 def kill_and_resume(log_dir: Path, extra: list[str], kills: int, seed: int) -> tuple[Path, int]:
     """Run the same command until it finishes, SIGKILLing it ``kills`` times; returns (run dir, kills done)."""
     rng = random.Random(seed)
@@ -57,9 +64,12 @@ def kill_and_resume(log_dir: Path, extra: list[str], kills: int, seed: int) -> t
                 if killed:
                     os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
-            done += killed
-            if killed:
+            if killed and not finished(log_dir):
+                done += 1
                 continue
+            if killed:  # too late: status.yaml already said finished (a re-run would be a new run, by design)
+                finish(proc)
+                break
         assert finish(proc) == 0, proc.stderr_text[-3000:]
         break
     dirs = run_dirs(log_dir)
