@@ -3,6 +3,7 @@ another's; a restart of the same launch (torchrun --max-restarts, SLURM requeue)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from src.run import identity as run_identity
+from src.run.lock import try_lock
 from src.run.status import FINISHED, RUNNING, write_status
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
@@ -99,6 +101,37 @@ def test_a_running_unfinished_run_is_not_taken_over(tmp_path, monkeypatch):
     assert holder and str(run_identity.choose_run_dir(tmp_path, ["a=1"])) != str(crashed)  # ...starts its own run
     run_identity.release_run_dirs()
     assert str(run_identity.choose_run_dir(tmp_path, ["a=2"])) != str(crashed)  # other overrides: not this run
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("child", ["worker", "ddp_fork rank"])
+def test_only_a_forked_rank_keeps_the_run_dir_locked(tmp_path, monkeypatch, child):
+    """A DataLoader worker, forked while the run dir is locked, can outlive its owner by seconds (the OOM killer
+    ends only the biggest process; workers look for their parent every few seconds): the lock must go with the
+    owner, or the re-run of the command starts a new run beside the one it should continue. A ``ddp_fork`` rank
+    writes into the run dir and would train on without its launcher: it keeps the lock."""
+    clear_launchers(monkeypatch)
+    run = run_identity.choose_run_dir(tmp_path, ["a=1"])
+    (wait, go), (started, says_started) = os.pipe(), os.pipe()
+    as_rank = run_identity.shared_with_forked_ranks() if child == "ddp_fork rank" else contextlib.nullcontext()
+    with as_rank:
+        pid = os.fork()
+    if pid == 0:  # the forked child (its fork handlers have run): alive until the parent says
+        os.write(says_started, b"x")
+        os.read(wait, 1)
+        os._exit(0)
+    try:
+        os.read(started, 1)
+        run_identity.release_run_dirs()  # the owner lets go (as its death would)
+        fd = try_lock(run / run_identity.LOCK_FILE)
+        if fd is not None:
+            os.close(fd)
+        assert (fd is None) == (child == "ddp_fork rank"), f"a forked {child}: lock held {fd is None}"
+    finally:
+        os.write(go, b"x")
+        os.waitpid(pid, 0)
+        for fd in (wait, go, started, says_started):
+            os.close(fd)
 
 
 @pytest.mark.slow

@@ -28,15 +28,18 @@ resolver only reads it): W&B and MLflow continue one run by it across resumes.
 
 A directory taken over or created locally stays locked (``flock`` on ``.lock``) while this process
 lives, so two identical commands never share one; the kernel drops the lock when the process dies,
-even by SIGKILL.
+even by SIGKILL. Children it forks do not hold it (DataLoader workers), except the ranks of a ``ddp_fork``
+run, which write into the run dir.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 from src.run.lock import try_lock
@@ -56,6 +59,7 @@ LOCK_FILE = ".lock"
 RUN_ID_FILE = ".run_id"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 _locks: dict[str, int] = {}  # run dir -> open fd holding its flock
+_ranks_keep_lock = False  # forked children are ranks of this run (shared_with_forked_ranks)
 
 
 def release_run_dirs() -> None:
@@ -63,6 +67,38 @@ def release_run_dirs() -> None:
     for fd in _locks.values():
         os.close(fd)
     _locks.clear()
+
+
+@contextlib.contextmanager
+def shared_with_forked_ranks() -> Iterator[None]:
+    """While this runs, a forked child is a rank of this run (``ddp_fork``): it keeps the lock, since it
+    writes into the run dir and could outlive a killed launcher; its own children drop it again."""
+    global _ranks_keep_lock
+    _ranks_keep_lock = True
+    try:
+        yield
+    finally:
+        _ranks_keep_lock = False
+
+
+def _after_fork_in_child() -> None:
+    """In a child the owner forked: close its copies of the lock fds, unless it is a rank of this run.
+
+    A flock belongs to the open file, which a fork shares: a DataLoader worker that outlived its owner (killed
+    alone, by the OOM killer, say; workers look for their parent every few seconds) would hold the lock on,
+    and the re-run of the command would start a new run. Closing the child's copies leaves the lock the
+    owner's alone (only an explicit unlock would drop it).
+    """
+    global _ranks_keep_lock
+    if _ranks_keep_lock:
+        _ranks_keep_lock = False  # this rank's own forks (its DataLoader workers) drop the lock
+        return
+    for fd in _locks.values():
+        os.close(fd)
+    _locks.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def choose_run_dir(root: Path, overrides: list[str], auto_resume: bool = True) -> Path:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.multiprocessing import ProcessExitedException
 
 from src.checkpointing.last_checkpoint import trainer_position
+from src.run.identity import shared_with_forked_ranks
 from src.runtime.child_guard import guard_child_ranks
 from src.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
 from src.runtime.hydra_launch import entry_command
@@ -134,7 +135,7 @@ class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         _preflight_launch(trainer, args, fresh_store=True)
         self.launched_by = os.getpid()
-        with _local_store_for_this_launch(), passed_on_to_spawned_ranks(self):
+        with _local_store_for_this_launch(), passed_on_to_spawned_ranks(self), shared_with_forked_ranks():
             try:
                 return super().launch(SpawnedRank(function, _job_logging()), *args, trainer=trainer, **kwargs)
             except ProcessExitedException as err:  # the ranks stopped on a signal: this process reports the stop
