@@ -58,6 +58,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
                              "'project NAME', e.g. --variant pinned=data.on_device=false (repeatable)")
     parser.add_argument("--no-paired", action="store_true",
                         help="skip the throughput suite's paired-step runs (2 of its 5 runs per round)")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip the throughput suite's profiled runs on a GPU (one extra run per contender)")
     parser.add_argument("--no-tty", action="store_true", help="pipe the contenders' output instead of a terminal")
     parser.add_argument("--quiet-wait", type=float, default=20.0,
                         help="before each run wait up to this many seconds for other processes to go idle (0: never)")
@@ -87,6 +89,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     return args, Settings(**pick, threads=args.threads, workers=workers, nproc=args.nproc, tty=not args.no_tty,
                           full=args.full, quiet_wait=args.quiet_wait, batch_size=args.batch_size,
                           accelerator=args.accelerator, precision=args.precision, paired=not args.no_paired,
+                          profile=not args.no_profile,
                           workload=args.workload, variants=tuple(variants))
 
 

@@ -28,6 +28,7 @@ class Settings:
     precision: str = "32-true"  # of the same contenders: 32-true | bf16-mixed
     device: str = ""  # the device's name (CPU model or GPU name), for the report
     paired: bool = True  # the throughput suite's paired-step runs (bare Lightning and project)
+    profile: bool = True  # the throughput suite's profiled runs on a GPU (one extra run per contender)
     workload: str = "mlp"  # of the throughput and start-up suites: mlp (Fashion-MNIST) | resnet18 (CIFAR-10-shaped)
     variants: tuple[tuple[str, tuple[str, ...]], ...] = ()  # throughput: extra project runs, (name, overrides)
 

@@ -87,7 +87,7 @@ def run(bench: Bench) -> SuiteResult:
         ])
 
     paired = _paired_steps(bench, work) if s.paired and work.workload == "mlp" else {"bare": [], "project": []}
-    profiles = _step_profiles(bench, makers) if s.accelerator != "cpu" else {}
+    profiles = _step_profiles(bench, makers) if s.accelerator != "cpu" and s.profile else {}
 
     # The input pipeline alone, in this process with the same thread count (the project's on the contenders' device).
     mlp = work.workload == "mlp"
