@@ -60,7 +60,7 @@ def owned_step_blocker(trainer: L.Trainer, mode: str | bool) -> str | None:
 
 
 # Where the direct call is the default: a device type joins once tests/test_gpu.py's check of it has passed there
-DIRECT_STEP_DEVICES = ("cpu",)
+DIRECT_STEP_DEVICES = ("cpu", "cuda")
 
 
 def direct_step_blocker(trainer: L.Trainer, module: L.LightningModule) -> str | None:
