@@ -93,9 +93,7 @@ def _after_fork_in_child() -> None:
     if _ranks_keep_lock:
         _ranks_keep_lock = False  # this rank's own forks (its DataLoader workers) drop the lock
         return
-    for fd in _locks.values():
-        os.close(fd)
-    _locks.clear()
+    release_run_dirs()  # closes this child's copies only: the owner's lock stays
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

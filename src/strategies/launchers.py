@@ -144,7 +144,6 @@ class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
                     raise
                 raise stop from None
 
-
     def kill(self, signum: int) -> None:
         """Pass ``signum`` on to the ranks this process started; a rank's own copy of the launcher (spawned, or
         forked with the last launch's process list) has none."""
