@@ -97,10 +97,16 @@ def test_a_running_unfinished_run_is_not_taken_over(tmp_path, monkeypatch):
     (crashed / ".hydra").mkdir()
     (crashed / ".hydra" / "overrides.yaml").write_text("- a=1\n")
     assert str(run_identity.choose_run_dir(tmp_path, ["a=1"])) == str(crashed)  # re-running the command continues it
+    assert run_identity.passed_over_note(crashed) is None
     holder = run_identity._locks.copy()  # this process still holds the lock: a second identical command...
-    assert holder and str(run_identity.choose_run_dir(tmp_path, ["a=1"])) != str(crashed)  # ...starts its own run
+    second = run_identity.choose_run_dir(tmp_path, ["a=1"])
+    assert holder and str(second) != str(crashed)  # ...starts its own run, and says why, once
+    note = run_identity.passed_over_note(second)
+    assert note and str(crashed) in note and str(second) in note and "stop its process" in note
+    assert run_identity.passed_over_note(second) is None
     run_identity.release_run_dirs()
-    assert str(run_identity.choose_run_dir(tmp_path, ["a=2"])) != str(crashed)  # other overrides: not this run
+    other = run_identity.choose_run_dir(tmp_path, ["a=2"])
+    assert str(other) != str(crashed) and run_identity.passed_over_note(other) is None  # other overrides: not this run
 
 
 @pytest.mark.fast

@@ -19,10 +19,13 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
 from src.checkpointing.start import check_no_earlier_checkpoints
-from src.run.identity import choose_run_dir, ensure_run_uid, release_run_dirs
+from src.run.identity import choose_run_dir, ensure_run_uid, passed_over_note, release_run_dirs
 from src.run.status import CHECKPOINT_DIR
 from src.runtime.launch_context import launch_context
 from src.utils.errors import ConfigError, exit_with_error
+from src.utils.pylogger import RankedLogger
+
+log = RankedLogger(__name__)
 
 
 def unwritable_reason(directory: Path) -> str | None:
@@ -60,6 +63,8 @@ class RunDirectory(Callback):
     Other ranks of a launch (torchrun, srun) exit 2 quietly on a refusal: global rank 0 says why.
     """
 
+    _note: str | None = None  # why the run dir is new though the same command has an unfinished run
+
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         given = Path(config.hydra.run.dir)
         self._refuse_unwritable(given)
@@ -68,6 +73,7 @@ class RunDirectory(Callback):
             with read_write(config), open_dict(config):
                 config.hydra.run.dir = str(chosen)
             given = chosen
+            self._note = passed_over_note(chosen)  # said once the job's logging is set up (on_job_start)
         try:
             check_no_earlier_checkpoints(config, given)
         except ConfigError as err:
@@ -80,6 +86,9 @@ class RunDirectory(Callback):
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         ensure_run_uid(config.hydra.runtime.output_dir)
+        note, self._note = self._note, None
+        if note:
+            log.warning(note)
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         release_run_dirs()

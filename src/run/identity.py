@@ -60,6 +60,7 @@ RUN_ID_FILE = ".run_id"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 _locks: dict[str, int] = {}  # run dir -> open fd holding its flock
 _ranks_keep_lock = False  # forked children are ranks of this run (shared_with_forked_ranks)
+_passed_over: Path | None = None  # the same command's unfinished run, skipped because a live process holds it
 
 
 def release_run_dirs() -> None:
@@ -121,6 +122,17 @@ def choose_run_dir(root: Path, overrides: list[str], auto_resume: bool = True) -
     return _new_dir(root, dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
 
 
+def passed_over_note(chosen: Path) -> str | None:
+    """Why the last :func:`choose_run_dir` started ``chosen`` afresh though the same command has an unfinished
+    run (a live process holds it), or None. Said once, then cleared."""
+    global _passed_over
+    run, _passed_over = _passed_over, None
+    if run is None or run == chosen:
+        return None
+    return (f"the same command's unfinished run {run} is held by a live process, so this launch starts a new "
+            f"run in {chosen}; to continue that run instead, stop its process and run the command again")
+
+
 def torchrun_stamp(timeout_s: float = 60.0) -> str | None:
     """Under torchrun, the stamp the first rank put in the agent's store (None outside torchrun)."""
     ctx = launch_context()
@@ -144,6 +156,8 @@ def _unfinished_run(root: Path, overrides: list[str]) -> Path | None:
 
     A run killed before its first checkpoint counts too, once its owner is gone: it starts again there.
     """
+    global _passed_over
+    _passed_over = None
     if not root.is_dir():
         return None
     candidates = [d for d in root.iterdir() if d.is_dir() and (d / OVERRIDES_FILE).is_file()]
@@ -157,6 +171,7 @@ def _unfinished_run(root: Path, overrides: list[str]) -> Path | None:
             continue  # its owner may live on another host (its lock would say so only on this one)
         if _lock(run):
             return run
+        _passed_over = _passed_over or run  # the newest one held elsewhere
     return None
 
 
