@@ -1,0 +1,110 @@
+"""A process that has imported the entry points once and forks one child per run of ``src/<script>.py``.
+
+Started by :mod:`tests.helpers.entry`, one per test process, as ``python -m tests.helpers.fork_server``. It
+reads one JSON request per line on stdin (``argv``, ``env``, ``cwd``, ``stdout``, ``stderr``: file paths) and
+answers on its own stdout with two JSON lines: ``{"pid": ...}`` when the child started, then
+``{"returncode": ...}`` when it ended (negative: the signal that ended it, as :mod:`subprocess` says it).
+
+The child is what ``python src/<script>.py`` would be: the script runs as ``__main__`` with its argv,
+environment, working directory, stdin ``/dev/null`` and the two output files, and it ends through the
+interpreter's own exit (atexit handlers, then the script's prompt exit, which ``install()`` registered before
+the imports, as the script's first lines do). Only Python's start-up and these imports are skipped.
+
+Hand-written because multiprocessing's forkserver leaves its own state in the child (a parent process, a
+process name, os._exit without atexit), which the entry points would see and a user's process would not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import tempfile
+
+from src.runtime import prompt_exit
+
+prompt_exit.install()  # first, as the entry points do: their prompt exit runs after every other atexit handler
+
+
+def _imported_with_output_kept() -> tuple[bytes, bytes]:
+    """Import every entry point's modules; what the imports printed on stdout and stderr, for each child."""
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            import src.eval  # noqa: F401
+            import src.export  # noqa: F401
+            import src.predict  # noqa: F401
+            import src.train  # noqa: F401
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+        return tuple(os.pread(f.fileno(), os.fstat(f.fileno()).st_size, 0) for f in (out, err))
+
+
+IMPORT_OUTPUT = _imported_with_output_kept()
+
+
+def _run_child(request: dict, channels: tuple) -> None:
+    """In the forked child: become ``python <argv>`` and run it; never returns (the script's exit ends it)."""
+    for channel in channels:
+        channel.close()
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    os.close(stdin)
+    for fd, printed in zip((1, 2), IMPORT_OUTPUT, strict=True):  # a fresh interpreter's imports print it first
+        with open(fd, "wb", closefd=False) as stream:
+            stream.write(printed)
+    _fresh_random_state()
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.argv = request["argv"]
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python <script>` sets it
+    prompt_exit.install = lambda: None  # ran above, before the imports, where the script runs it
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    sys.exit(0)  # a script that returned: the interpreter's exit, atexit handlers included
+
+
+def _fresh_random_state() -> None:
+    """The random generators as a fresh interpreter starts them: torch's default one at its initial seed, numpy's
+    from the OS (Python's ``random`` reseeds itself after a fork)."""
+    import numpy as np
+    import torch
+
+    torch.manual_seed(torch.initial_seed())
+    np.random.seed()
+
+
+def main() -> None:
+    requests = os.fdopen(os.dup(0), "r")
+    replies = os.fdopen(os.dup(1), "w")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):  # the channels stay off the standard streams a child inherits
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    for line in requests:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_child(request, (requests, replies))
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()
