@@ -12,6 +12,7 @@ fresh interpreter; so do the README's commands, in a fresh shell (tests/test_rea
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import select
@@ -66,20 +67,30 @@ class _ForkServer:
         atexit.register(self.proc.stdin.close)  # the server ends when its requests end
 
     def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """As ``subprocess.run(argv, capture_output=True, text=True, timeout=timeout)``: the output is read to its
+        end, which comes when the child and every process it started have closed it."""
         with self._lock, tempfile.TemporaryDirectory(prefix="entry-") as tmp:
-            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-            request = {"argv": argv[1:], "env": dict(os.environ), "cwd": str(ROOT), "stdout": str(out), "stderr": str(err)}
+            paths = [Path(tmp, "stdout"), Path(tmp, "stderr")]
+            readers = {}
+            for path in paths:
+                os.mkfifo(path)
+                readers[os.open(path, os.O_RDONLY | os.O_NONBLOCK)] = path.name
+            request = {"argv": argv[1:], "env": dict(os.environ), "cwd": str(ROOT),
+                       "stdout": str(paths[0]), "stderr": str(paths[1])}
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             started = self._reply(timeout=120)  # the server's own imports, on its first request
             if started is None:
                 raise RuntimeError("the fork server (tests/helpers/fork_server.py) did not start a child in 120 s")
-            reply = self._reply(timeout)
+            output = _read_to_end(readers, time.monotonic() + timeout)
+            reply = self._reply(timeout) if not readers else None
             if reply is None:  # as subprocess.run does on a timeout: kill the child, then raise
                 os.kill(started["pid"], signal.SIGKILL)
                 self._reply(timeout=60)
-                raise subprocess.TimeoutExpired(argv, timeout, output=out.read_text(), stderr=err.read_text())
-            return subprocess.CompletedProcess(argv, reply["returncode"], out.read_text(), err.read_text())
+                for fd in readers:
+                    os.close(fd)
+                raise subprocess.TimeoutExpired(argv, timeout, output=output["stdout"], stderr=output["stderr"])
+            return subprocess.CompletedProcess(argv, reply["returncode"], output["stdout"], output["stderr"])
 
     def _reply(self, timeout: float) -> dict | None:
         """The server's next line, or None when none came within ``timeout`` seconds."""
@@ -94,3 +105,22 @@ class _ForkServer:
             self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
+
+
+def _read_to_end(readers: dict[int, str], deadline: float) -> dict[str, str]:
+    """Read each pipe of ``readers`` (fd -> name) until its end or ``deadline``; an ended pipe is closed and
+    leaves ``readers``. Returns what was read, by name."""
+    read = {name: b"" for name in readers.values()}
+    while readers:
+        ready, _, _ = select.select(list(readers), [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            if chunk:
+                read[readers[fd]] += chunk
+            else:
+                os.close(fd)
+                del readers[fd]
+    # decoded as subprocess.run(text=True) decodes: the locale's encoding, universal newlines
+    return {name: io.TextIOWrapper(io.BytesIO(data)).read() for name, data in read.items()}

@@ -1,7 +1,7 @@
 """A process that has imported the entry points once and forks one child per run of ``src/<script>.py``.
 
 Started by :mod:`tests.helpers.entry`, one per test process, as ``python -m tests.helpers.fork_server``. It
-reads one JSON request per line on stdin (``argv``, ``env``, ``cwd``, ``stdout``, ``stderr``: file paths) and
+reads one JSON request per line on stdin (``argv``, ``env``, ``cwd``, ``stdout``, ``stderr``: named pipes) and
 answers on its own stdout with two JSON lines: ``{"pid": ...}`` when the child started, then
 ``{"returncode": ...}`` when it ended (negative: the signal that ended it, as :mod:`subprocess` says it).
 
@@ -50,17 +50,16 @@ def _imported_with_output_kept() -> tuple[bytes, bytes]:
 IMPORT_OUTPUT = _imported_with_output_kept()
 
 
-def _run_child(request: dict, channels: tuple) -> None:
+def _run_child(request: dict, outputs: tuple[int, int], channels: tuple) -> None:
     """In the forked child: become ``python <argv>`` and run it; never returns (the script's exit ends it)."""
     for channel in channels:
         channel.close()
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
     os.close(stdin)
+    for fd, output in zip((1, 2), outputs, strict=True):
+        os.dup2(output, fd)
+        os.close(output)
     for fd, printed in zip((1, 2), IMPORT_OUTPUT, strict=True):  # a fresh interpreter's imports print it first
         with open(fd, "wb", closefd=False) as stream:
             stream.write(printed)
@@ -96,9 +95,14 @@ def main() -> None:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
+        # the client's named pipes, opened here so that the child (and whatever it starts) holds them from the
+        # start: the client reads them to their end, as subprocess.run reads its pipes
+        outputs = (os.open(request["stdout"], os.O_WRONLY), os.open(request["stderr"], os.O_WRONLY))
         pid = os.fork()
         if pid == 0:
-            _run_child(request, (requests, replies))
+            _run_child(request, outputs, (requests, replies))
+        for output in outputs:
+            os.close(output)
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()
         _, status = os.waitpid(pid, 0)
