@@ -12,6 +12,7 @@ fresh interpreter; so do the README's commands, in a fresh shell (tests/test_rea
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import os
@@ -82,10 +83,12 @@ class _ForkServer:
             started = self._reply(timeout=120)  # the server's own imports, on its first request
             if started is None:
                 raise RuntimeError("the fork server (tests/helpers/fork_server.py) did not start a child in 120 s")
-            output = _read_to_end(readers, time.monotonic() + timeout)
-            reply = self._reply(timeout) if not readers else None
+            deadline = time.monotonic() + timeout
+            output = _read_to_end(readers, deadline)
+            reply = None if readers else self._reply(max(0.0, deadline - time.monotonic()))
             if reply is None:  # as subprocess.run does on a timeout: kill the child, then raise
-                os.kill(started["pid"], signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it may have ended, its output held by a process it started
+                    os.kill(started["pid"], signal.SIGKILL)
                 self._reply(timeout=60)
                 for fd in readers:
                     os.close(fd)
