@@ -102,6 +102,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def choose_run_dir(root: Path, overrides: list[str], auto_resume: bool = True) -> Path:
     """The run directory (absolute) of this launch under ``root``; see the module docstring. Call it once."""
+    global _passed_over
+    _passed_over = None
     root = root.absolute()
     job_id = launch_context().job_id
     if job_id is not None:
@@ -127,7 +129,7 @@ def passed_over_note(chosen: Path) -> str | None:
     run (a live process holds it), or None. Said once, then cleared."""
     global _passed_over
     run, _passed_over = _passed_over, None
-    if run is None or run == chosen:
+    if run is None:
         return None
     return (f"the same command's unfinished run {run} is held by a live process, so this launch starts a new "
             f"run in {chosen}; to continue that run instead, stop its process and run the command again")
@@ -156,11 +158,10 @@ def _unfinished_run(root: Path, overrides: list[str]) -> Path | None:
 
     A run killed before its first checkpoint counts too, once its owner is gone: it starts again there.
     """
-    global _passed_over
-    _passed_over = None
     if not root.is_dir():
         return None
     candidates = [d for d in root.iterdir() if d.is_dir() and (d / OVERRIDES_FILE).is_file()]
+    held = None
     for run in sorted(candidates, key=_last_activity, reverse=True):
         mark_if_died(run)
         status = read_status(run)
@@ -171,7 +172,9 @@ def _unfinished_run(root: Path, overrides: list[str]) -> Path | None:
             continue  # its owner may live on another host (its lock would say so only on this one)
         if _lock(run):
             return run
-        _passed_over = _passed_over or run  # the newest one held elsewhere
+        held = held or run  # the newest one a live process holds
+    global _passed_over
+    _passed_over = held  # no run continued: this launch starts a new one
     return None
 
 

@@ -6,7 +6,7 @@ answers on its own stdout with two JSON lines: ``{"pid": ...}`` when the child s
 ``{"returncode": ...}`` when it ended (negative: the signal that ended it, as :mod:`subprocess` says it).
 
 The child is what ``python src/<script>.py`` would be: the script runs as ``__main__`` with its argv,
-environment, working directory, stdin ``/dev/null`` and the two output files, and it ends through the
+environment, working directory, stdin ``/dev/null`` and the client's two output pipes, and it ends through the
 interpreter's own exit (atexit handlers, then the script's prompt exit, which ``install()`` registered before
 the imports, as the script's first lines do). Only Python's start-up and these imports are skipped.
 
