@@ -173,6 +173,7 @@ def test_truncated_system_archive_is_named(tmp_path):
     dm = MNISTDataModule(data_dir=str(tmp_path / "data"), system_dir=str(system), download=False)
     with pytest.raises(DataError, match="cannot extract .*train-images-idx3-ubyte.gz"):
         dm.prepare_data()
+    assert list(dm.raw_dir.iterdir()) == [], "nothing half-extracted is left to be read as data"
 
 
 def test_missing_checkpoint_fails_before_training(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -94,16 +95,20 @@ class MNISTDataModule(InMemoryDataModule):
             raise DataError(self._not_found(f"the download failed: {type(err).__name__}: {err}")) from err
 
     def _extract_from(self, source: Path) -> None:
+        """Extract each file under a temporary name, then rename it into place: a rename within one folder is
+        atomic, so another process sharing ``data_dir`` (a sweep's parallel jobs, test workers, a second node)
+        sees each file whole or not at all, never half written."""
         self.raw_dir.mkdir(parents=True, exist_ok=True)
         for target in self._raw_files():
             archive = source / f"{target.name}.gz"
-            try:
-                extract_archive(str(archive), str(self.raw_dir))
-            except (OSError, EOFError) as err:
-                target.unlink(missing_ok=True)
-                raise DataError(
-                    f"cannot extract {archive}: {err}; fix: reinstall the package that provides it"
-                ) from err
+            with tempfile.TemporaryDirectory(prefix=".extracting-", dir=self.raw_dir) as partial:
+                try:
+                    extract_archive(str(archive), partial)
+                except (OSError, EOFError) as err:
+                    raise DataError(
+                        f"cannot extract {archive}: {err}; fix: reinstall the package that provides it"
+                    ) from err
+                os.replace(Path(partial) / target.name, target)
 
     def _not_found(self, reason: str) -> str:
         name = self.hparams.dataset
