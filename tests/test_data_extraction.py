@@ -1,4 +1,4 @@
-"""The offline Fashion-MNIST files are extracted so that a process sharing the data folder never reads half a file."""
+"""Data files are extracted and downloaded so that a process sharing the data folder never reads half a file."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import src.data.mnist_datamodule as mnist_datamodule
+from src.data.components.data_dir import publish_whole
 from src.data.mnist_datamodule import SYSTEM_DIRS, FashionMNISTDataModule
 
 SYSTEM = Path(SYSTEM_DIRS["fashion_mnist"])
@@ -33,3 +34,54 @@ def test_each_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
         assert (dm.raw_dir / name).read_bytes() == gzip.decompress((SYSTEM / f"{name}.gz").read_bytes())
     assert sorted(p.name for p in dm.raw_dir.iterdir()) == sorted(names), "temporary files were left behind"
     assert len(dm.load_split(train=False)[0]) == 10_000
+
+
+@pytest.mark.fast
+@pytest.mark.skipif(not SYSTEM.is_dir(), reason=f"needs the dataset-fashion-mnist package ({SYSTEM})")
+def test_a_download_appears_whole(tmp_path):
+    """torchvision downloads into a temporary data folder; the files are renamed into place only once complete."""
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path), system_dir=str(tmp_path / "nowhere"), download=True)
+    visible_while_downloading = []
+
+    class FakeDownload:  # torchvision's layout: <root>/FashionMNIST/raw/<files>
+        resources = dm.dataset_cls.resources
+
+        def __init__(self, root, train: bool, download: bool) -> None:
+            raw = Path(root) / "FashionMNIST" / "raw"
+            raw.mkdir(parents=True)
+            for name, _ in self.resources:
+                (raw / name.removesuffix(".gz")).write_bytes(gzip.decompress((SYSTEM / name).read_bytes()))
+                visible_while_downloading.extend(dm.raw_dir.glob("*"))
+
+    FakeDownload.__name__ = "FashionMNIST"
+    dm.dataset_cls = FakeDownload
+    dm.prepare_data()
+    assert visible_while_downloading == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FashionMNIST"], "the temporary folder was left behind"
+    assert len(dm.load_split(train=True)[0]) == 60_000
+
+
+@pytest.mark.fast
+def test_a_folder_another_process_published_first_is_kept(tmp_path):
+    def make(folder: Path) -> None:
+        (folder / "cifar-10-batches-py").mkdir()
+        (folder / "cifar-10-batches-py" / "data_batch_1").write_text("mine")
+
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    (tmp_path / "cifar-10-batches-py" / "data_batch_1").write_text("theirs")
+    publish_whole(tmp_path, make, ["cifar-10-batches-py"])
+    assert (tmp_path / "cifar-10-batches-py" / "data_batch_1").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cifar-10-batches-py"]
+    publish_whole(tmp_path / "fresh", make, ["cifar-10-batches-py"])
+    assert (tmp_path / "fresh" / "cifar-10-batches-py" / "data_batch_1").read_text() == "mine"
+
+
+@pytest.mark.fast
+def test_a_failed_download_leaves_nothing(tmp_path):
+    def make(folder: Path) -> None:
+        (folder / "cifar-10-python.tar.gz").write_bytes(b"half")
+        raise ConnectionError("network unreachable")
+
+    with pytest.raises(ConnectionError):
+        publish_whole(tmp_path, make, ["cifar-10-batches-py"])
+    assert list(tmp_path.iterdir()) == []

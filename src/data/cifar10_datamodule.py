@@ -17,6 +17,7 @@ from torchvision import datasets
 from torchvision.datasets.utils import check_integrity
 
 from src.data.components.batch_transforms import random_crop, random_hflip
+from src.data.components.data_dir import publish_whole
 from src.data.components.safe_unpickle import RefusedGlobal, load_numpy_pickle
 from src.data.in_memory_datamodule import InMemoryDataModule
 from src.utils.errors import DataError
@@ -123,8 +124,8 @@ class CIFAR10DataModule(InMemoryDataModule):
         if not self.hparams.download:
             raise DataError(f"CIFAR-10 not found in {folder} and data.download=false; fix: set data.download=true or "
                             "point data.data_dir at a folder containing cifar-10-batches-py/")
-        try:
-            datasets.CIFAR10(root, train=True, download=True)
+        try:  # downloaded and extracted in a temporary folder, then renamed into place whole (publish_whole)
+            publish_whole(root, lambda tmp: datasets.CIFAR10(tmp, train=True, download=True), [folder.name])
         except Exception as err:  # network errors come in many types
             raise DataError(
                 f"CIFAR-10 not found in {folder} and the download failed ({type(err).__name__}: {err}); fix: "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ from torchvision.datasets.mnist import read_image_file, read_label_file
 from torchvision.datasets.utils import extract_archive
 
 from src.data.components.batch_transforms import random_crop, random_hflip
-from src.data.components.data_dir import check_writable_dir
+from src.data.components.data_dir import check_writable_dir, publish_whole
 from src.data.in_memory_datamodule import InMemoryDataModule
 from src.utils.errors import DataError
 
@@ -89,26 +88,26 @@ class MNISTDataModule(InMemoryDataModule):
             return
         if not self.hparams.download:
             raise DataError(self._not_found("downloads are disabled (data.download=false)"))
-        try:
-            self.dataset_cls(self.hparams.data_dir, train=True, download=True)
+        names = [str(Path(self.dataset_cls.__name__, "raw", f.name)) for f in self._raw_files()]
+        try:  # torchvision writes <data_dir>/<Class>/raw/: into a temporary data_dir, then renamed into place
+            publish_whole(self.hparams.data_dir, lambda tmp: self.dataset_cls(tmp, train=True, download=True), names)
         except Exception as err:  # network errors come in many types
             raise DataError(self._not_found(f"the download failed: {type(err).__name__}: {err}")) from err
 
     def _extract_from(self, source: Path) -> None:
-        """Extract each file under a temporary name, then rename it into place: a rename within one folder is
-        atomic, so another process sharing ``data_dir`` (a sweep's parallel jobs, test workers, a second node)
-        sees each file whole or not at all, never half written."""
-        self.raw_dir.mkdir(parents=True, exist_ok=True)
-        for target in self._raw_files():
-            archive = source / f"{target.name}.gz"
-            with tempfile.TemporaryDirectory(prefix=".extracting-", dir=self.raw_dir) as partial:
+        """Extract each file into a temporary folder, then rename it into place (:func:`publish_whole`)."""
+
+        def extract(folder: Path) -> None:
+            for target in self._raw_files():
+                archive = source / f"{target.name}.gz"
                 try:
-                    extract_archive(str(archive), partial)
+                    extract_archive(str(archive), str(folder))
                 except (OSError, EOFError) as err:
                     raise DataError(
                         f"cannot extract {archive}: {err}; fix: reinstall the package that provides it"
                     ) from err
-                os.replace(Path(partial) / target.name, target)
+
+        publish_whole(self.raw_dir, extract, [f.name for f in self._raw_files()])
 
     def _not_found(self, reason: str) -> str:
         name = self.hparams.dataset

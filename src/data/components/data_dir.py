@@ -1,8 +1,11 @@
-"""The data directory a DataModule writes into: checked before any rank starts."""
+"""The data directory a DataModule writes into: checked before any rank starts, filled so that no reader sees half
+a file."""
 
 from __future__ import annotations
 
+import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from src.utils.errors import DataError
@@ -25,3 +28,25 @@ def check_writable_dir(path: str | Path, what: str) -> None:
             f"cannot write {what} into {path} ({reason}); fix: set paths.data_dir to a directory you can "
             "write (it is created if missing), e.g. paths.data_dir=./data"
         ) from None
+
+
+def publish_whole(root: str | Path, make: Callable[[Path], None], names: Sequence[str]) -> None:
+    """Run ``make(folder)`` in a temporary folder inside ``root``, then rename each of ``names`` (paths relative to
+    that folder: files or folders) to the same place under ``root``.
+
+    A rename within one file system is atomic, so another process sharing ``root`` (a sweep's parallel jobs, test
+    workers, the ranks of another node on a shared disk) finds each name whole or not at all, never a half-written
+    download or extraction. A folder that another process published first is kept as it is.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".partial-", dir=root) as partial:
+        make(Path(partial))
+        for name in names:
+            target = root / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(Path(partial) / name, target)  # a file replaces one there; a folder only an empty one
+            except OSError:
+                if not (target.is_dir() and any(target.iterdir())):
+                    raise
