@@ -114,8 +114,18 @@ class OwnedStep:
             self._owned_for = (trainer, blocker is None)
         return not self._owned_for[1]
 
+    def on_fit_start(self) -> None:
+        """Refuse an explicit capture request this run cannot honour now, before the sanity check and any compile
+        (the optimizers and callbacks exist already); :meth:`on_train_start` decides the rest."""
+        if self.hparams.get("step_capture", "auto") is True:
+            blocker = capture_blocker(self.trainer, self, True)
+            if blocker is not None:
+                raise ConfigError(f"model.step_capture=true cannot capture this run: {blocker}; fix: set "
+                                  "model.step_capture=auto (capture where it can) or false")
+
     def on_train_start(self) -> None:
-        """Decide, once per fit, whether the owned step is captured (the optimizers and callbacks exist now)."""
+        """Decide, once per fit, whether the owned step is captured (the optimizers, callbacks and any resumed state
+        are in place now)."""
         self._capture = None
         if not self.automatic_optimization:
             blocker = direct_step_blocker(self.trainer, self)
@@ -128,9 +138,6 @@ class OwnedStep:
             step_lr = any(c.interval == "step" for c in self.trainer.lr_scheduler_configs)
             self._capture = StepCapture(self, GRAPHS[self.device.type], lr_on_device=step_lr)
             log.info("the training step is captured as a graph after its warm-up steps and replayed")
-        elif mode is True:
-            raise ConfigError(f"model.step_capture=true cannot capture this run: {blocker}; fix: set "
-                              "model.step_capture=auto (capture where it can) or false")
         elif mode == "auto" and not self.automatic_optimization:
             log.info(f"the owned training step runs eagerly: {blocker}")
 

@@ -145,6 +145,7 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         the CPU and this rank's current GPU are reseeded: the dp strategy has already given each of
         its other GPUs a stream of its own.
         """
+        super().on_fit_start()  # OwnedStep: an explicit capture request this run cannot honour is refused
         seed = rank_seed(torch.initial_seed(), self.global_rank, "model")
         torch.default_generator.manual_seed(seed)
         torch.cuda.manual_seed(seed)  # the current device only (lazily, if CUDA is not initialised yet)
