@@ -54,7 +54,8 @@ DRY_RUN = {
     "make bench": "benchmarks run for minutes by design; tests/test_bench.py runs their entry point briefly",
     "make bench-full": "benchmarks run for minutes by design (15-20 min)",
 }
-# Appended to every training/eval command: one epoch (two when resuming) of a few batches, nothing else changed.
+# Appended to every training/eval command: one epoch (two when resuming) of a few batches (of 32 samples for
+# ResNet18), nothing else changed.
 FEW_BATCHES = ["++trainer.limit_train_batches=1", "++trainer.limit_val_batches=1", "++trainer.limit_test_batches=1",
                "++trainer.num_sanity_val_steps=0"]
 # Appended to `python -m src.collectives`: the smallest sizes and fewest iterations of every mode.
@@ -145,6 +146,8 @@ def _run_overrides(command: str, logs: Path, request) -> list[str]:
     if "src/eval.py" not in command and "src/predict.py" not in command:  # the last value wins: a resumed run trains one epoch more
         args.insert(0, f"trainer.max_epochs={2 if 'ckpt_path=' in command else 1}")
     args += _offline_data(command)
+    if "model=resnet18" in command:
+        args.append("data.batch_size=32")  # ResNet18 on a CPU: a quarter of the batch keeps its few steps short
     if "hparams_search=fashion_mnist_optuna" in command:
         args.append("hydra.sweeper.n_trials=2")  # the last value wins: two trials show the search runs
     if "data=mnist" in command:
