@@ -264,6 +264,34 @@ def test_status_names_the_failed_ranks_error_not_rank_zeros_lost_connection(tmp_
     assert 'detail: "rank 1: RuntimeError at epoch 0, global step 2: the failure of rank 1"' in status, status
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("written", ["in-this-attempt", "before-this-process-started"])
+def test_rank_zeros_start_keeps_a_failure_another_rank_recorded_first(tmp_path, written):
+    """Under torchrun or srun every rank starts at once, and rank 1 may fail (and record why) before rank 0 enters
+    its task: rank 0 then keeps that record instead of writing ``running`` over it, and keeps it when it loses its
+    connection to rank 1. A record of an earlier attempt (older than this process) is replaced as before."""
+    import datetime as dt
+
+    import lightning as L
+
+    from src.run.status import FAILED, RUNNING, read_fields, run_status, write_status
+
+    write_status(tmp_path, FAILED, "rank 1: DataError at epoch 0, global step 0: bad file", rank=1)
+    if written == "before-this-process-started":
+        status = tmp_path / "status.yaml"
+        status.write_text(re.sub(r"time: '[^']*'", f"time: '{dt.datetime(2001, 1, 1).isoformat()}'", status.read_text()))
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ConnectionError), run_status(trainer, tmp_path):
+        started_as = read_fields(tmp_path)["status"]
+        raise ConnectionError("Connection closed by peer")  # what rank 0 sees when rank 1 is gone
+    fields = read_fields(tmp_path)
+    if written == "in-this-attempt":
+        assert started_as == FAILED and fields["detail"].startswith("rank 1: DataError"), fields
+    else:
+        assert started_as == RUNNING and fields["detail"].startswith("another rank failed"), fields
+
+
 def launch_ranks(envs: list[dict], per_rank_args, params_dir: Path) -> list[dict]:
     """Start one ``python src/train.py`` per env (as separate nodes or srun tasks would), wait, load each rank's params."""
     procs = []

@@ -166,7 +166,9 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
     from src.runtime.exit_cleanup import peer_failed  # torch: imported when a task runs
     from src.runtime.watchdog import before_the_watchdog_ends_this_rank
 
-    if launch_context().is_launching_process:  # before fit the ranks are not known yet
+    # before fit the ranks are not known yet; a rank that torchrun or srun started beside this one may already have
+    # failed and said why, and that record stays
+    if launch_context().is_launching_process and not failed_on_another_rank(run_dir, since=psutil.Process().create_time()):
         write_status(run_dir, RUNNING)
     record = RunStatus(trainer, run_dir)
 
@@ -208,11 +210,19 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
                      metrics=plain_metrics(record.metrics))
 
 
-def failed_on_another_rank(run_dir: str | os.PathLike) -> bool:
+def failed_on_another_rank(run_dir: str | os.PathLike, since: float | None = None) -> bool:
     """A rank other than global rank 0 has recorded its own failure in this attempt (rank 0 set ``running`` at
-    its start): rank 0, which only lost its connection to it, keeps that cause."""
+    its start, unless that record was there already): rank 0, which only lost its connection to it, keeps that
+    cause. ``since`` (seconds since the epoch): only a record written at or after it counts."""
     fields = read_fields(run_dir)
-    return fields.get("status") == FAILED and fields.get("rank", 0) != 0
+    if fields.get("status") != FAILED or fields.get("rank", 0) == 0:
+        return False
+    if since is None:
+        return True
+    try:
+        return dt.datetime.fromisoformat(str(fields.get("time"))).timestamp() >= math.floor(since)
+    except ValueError:
+        return False
 
 
 def plain_metrics(metrics: dict[str, Any]) -> dict[str, float]:
