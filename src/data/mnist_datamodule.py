@@ -88,7 +88,7 @@ class MNISTDataModule(InMemoryDataModule):
             return
         if not self.hparams.download:
             raise DataError(self._not_found("downloads are disabled (data.download=false)"))
-        names = [str(Path(self.dataset_cls.__name__, "raw", f.name)) for f in self._raw_files()]
+        names = [str(f.relative_to(self.hparams.data_dir)) for f in self._raw_files()]  # raw_dir owns the layout
         try:  # torchvision writes <data_dir>/<Class>/raw/: into a temporary data_dir, then renamed into place
             publish_whole(self.hparams.data_dir, lambda tmp: self.dataset_cls(tmp, train=True, download=True), names)
         except Exception as err:  # network errors come in many types
