@@ -1,7 +1,8 @@
 """``trainer=fsdp`` proven with real processes over gloo: the weights equal DDP's, each rank holds 1/N of the
 parameters, gradients and optimizer state (measured on the local shards), and a sharded checkpoint written
-by 4 ranks reads back exactly on 2 ranks and in one process. Fast unit tests of the checkpoint format and
-the sharding checks come first."""
+by 4 ranks reads back exactly on 2 ranks and in one process; the same for a network that is not an
+nn.Sequential (ashleve's SimpleDenseNet layout) and for a GAN's two submodules and two optimizers. Fast unit
+tests of the checkpoint format, the wrap policies and the sharding checks come first."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import os
 import pickle
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
 
 from src.checkpointing.optimizer_state import indexed_optimizer_state, named_optimizer_state
 from src.checkpointing.sharded import join_tensors, read_sharded, replace, split_tensors
-from src.strategies.fsdp.wrap import check_shardable, resolve_sharding
+from src.strategies.fsdp.wrap import BLOCKS, check_shardable, plan_shards, resolve_sharding, resolve_wrap
 from src.utils.errors import CheckpointError, ConfigError
 from tests.helpers.config import compose_cfg
 from tests.helpers.entry import run_entry
@@ -115,16 +117,144 @@ class _Module(nn.Module):
             self.scale = nn.Parameter(torch.ones(1))
 
 
+class DenseNet(nn.Module):
+    """ashleve's SimpleDenseNet layout, which is not an nn.Sequential: ``self.model`` holds Linear, BatchNorm1d,
+    ReLU... Takes the project MLP's arguments, so ``model.net._target_=tests.test_fsdp.DenseNet`` swaps it in."""
+
+    def __init__(self, in_channels: int = 1, image_size: int = 28, hidden_sizes=(512, 256), num_classes: int = 10,
+                 dropout: float = 0.0, batch_norm: bool = True) -> None:
+        super().__init__()
+        layers, width = [], in_channels * image_size * image_size
+        for size in hidden_sizes:
+            layers += [nn.Linear(width, size), *([nn.BatchNorm1d(size)] if batch_norm else []), nn.ReLU()]
+            width = size
+        self.model = nn.Sequential(*layers, nn.Linear(width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x.flatten(1))
+
+
+class FCNet(nn.Module):
+    """Layers as named attributes, called by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(784, 512), nn.Linear(512, 256), nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x.flatten(1))))))
+
+
+class GAN(L.LightningModule):
+    """Two submodules, two optimizers, manual optimization (Lightning's GAN recipe, toggling each optimizer);
+    trains on BoringDataModule's 32-wide samples. ``save_to``: global rank 0 saves the whole weights there at
+    the end of training."""
+
+    def __init__(self, save_to: str | None = None) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.save_to = save_to
+        self.generator = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.discriminator = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def training_step(self, real: torch.Tensor, batch_idx: int) -> None:
+        soft = nn.functional.softplus
+        opt_g, opt_d = self.optimizers()
+        self.toggle_optimizer(opt_g)
+        fake = self.generator(torch.randn(real.shape[0], 8))
+        g_loss = soft(-self.discriminator(fake)).mean()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        d_loss = (soft(-self.discriminator(real)) + soft(self.discriminator(fake.detach()))).mean()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss})
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.Adam(self.generator.parameters(), 1e-3),
+                torch.optim.Adam(self.discriminator.parameters(), 1e-3)]
+
+    def on_train_end(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.state_dict().items()}
+        if self.save_to and self.global_rank == 0:
+            torch.save(whole, self.save_to)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.decoder.weight = self.encoder.weight
+
+
 @pytest.mark.fast
-@pytest.mark.parametrize(("module", "message"), [
-    (_Module(nn.Linear(2, 2)), "must be an nn.Sequential; _Module.net is Linear"),
-    (_Module(None), "_Module.net is none"),
-    (_Module(nn.Sequential(nn.ReLU(), nn.Flatten())), "no block with parameters"),
-    (_Module(nn.Sequential(nn.Linear(2, 2)), extra=True), r"outside it \(\['scale'\]\)"),
-], ids=["not-sequential", "no-net", "no-parameters", "parameters-outside-net"])
-def test_a_model_without_blocks_to_shard_is_refused(module, message):
+@pytest.mark.parametrize(("module", "wrap", "plan"), [
+    (_Module(DenseNet()), "auto", "wrap=size: 3 units, roots net; inner net.model.0, net.model.3"),
+    (_Module(FCNet()), "auto", "wrap=size: 3 units, roots net; inner net.fc1, net.fc2"),
+    (_Module(FCNet()), ["torch.nn.Linear"], "wrap=[torch.nn.Linear]: 4 units, roots net; inner net.fc3, net.fc2, "
+                                            "net.fc1"),
+    (_Module(DenseNet()), ["BatchNorm1d"], "wrap=[BatchNorm1d]: 3 units, roots net; inner net.model.4, net.model.1"),
+    (_Module(FCNet()), "size", "wrap=size: 3 units, roots net; inner net.fc1, net.fc2"),
+    (_Module(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))), "auto",
+     "wrap=blocks: 3 units, roots net; inner net.0, net.2"),
+    (GAN(), "auto", "wrap=size: 2 units, roots generator, discriminator"),
+    (GAN(), ["torch.nn.Linear"], "6 units, roots generator, discriminator; inner generator.2, generator.0, "
+                                 "discriminator.2, discriminator.0"),
+], ids=["dense-auto", "fc-auto", "fc-linear", "dense-batchnorm", "fc-size", "sequential-auto", "gan-auto",
+        "gan-linear"])
+def test_wrap_policies_pick_units_inside_each_root(module, wrap, plan):
+    """Each top-level submodule with parameters is a root; the policy picks the units inside, innermost first."""
+    assert plan_shards(module, resolve_wrap(wrap)).describe().endswith(plan)
+
+
+@pytest.mark.fast
+def test_size_policy_takes_its_threshold():
+    assert plan_shards(_Module(FCNet()), resolve_wrap("size", 200_000)).describe() == \
+        "wrap=size: 2 units, roots net; inner net.fc1"
+    assert plan_shards(_Module(FCNet()), resolve_wrap("size", 10**9)).describe() == "wrap=size: 1 units, roots net"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("wrap", "min_params", "message"), [
+    (3, 100, "trainer.strategy.wrap=3 is not a wrap policy; fix: use auto, blocks"),
+    ([], 100, r"trainer.strategy.wrap=\[\] is not a wrap policy"),
+    ("auto", 0, "wrap_min_params=0 must be an integer >= 1"),
+    ("size", True, "wrap_min_params=True must be an integer >= 1"),
+], ids=["number", "empty-list", "zero-threshold", "bool-threshold"])
+def test_a_bad_wrap_option_is_one_line(wrap, min_params, message):
     with pytest.raises(ConfigError, match=message):
-        check_shardable(module)
+        resolve_wrap(wrap, min_params)
+
+
+class _WithHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.head = nn.Sequential(nn.ReLU()), nn.Linear(2, 2)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("module", "policy", "message"), [
+    (_Module(nn.Linear(2, 2)), BLOCKS, "wrap=blocks shards model.net by its named blocks, so it must be an "
+                                       "nn.Sequential; _Module.net is Linear; fix: use trainer.strategy.wrap=auto"),
+    (_Module(None), None, "no submodule with parameters to shard in _Module"),
+    (_Module(nn.Sequential(nn.ReLU(), nn.Flatten())), None, "no submodule with parameters to shard"),
+    (_WithHead(), BLOCKS, "no block with parameters to shard in model.net"),
+    (_Module(nn.Sequential(nn.Linear(2, 2)), extra=True), None, r"holds trainable parameters of its own \(\['scale'\]\)"),
+    (_Module(FCNet()), resolve_wrap(["torch.nn.Conv2d", "Linear"]),
+     r"wrap names torch.nn.Conv2d, which no submodule of _Module is; fix: name classes it holds \(FCNet, Linear\)"),
+    (_Tied(), None, "the parameter decoder.weight is also encoder.weight \\(a weight shared by two units\\)"),
+], ids=["blocks-not-sequential", "no-net", "no-parameters", "blocks-without-parameters", "parameters-of-its-own",
+        "class-not-in-model", "tied-weights"])
+def test_a_model_fsdp_cannot_shard_is_refused(module, policy, message):
+    with pytest.raises(ConfigError, match=message):
+        check_shardable(module, *([policy] if policy else []))
 
 
 @pytest.mark.fast

@@ -3,7 +3,8 @@
 Each tensor is counted as this process holds it: a DTensor (an FSDP2 shard) by its local part
 (``to_local()``), a plain tensor whole. ``remainder`` is what sharding cannot divide by the number of ranks:
 plain tensors (e.g. Adam's step counters), and one row per sharded tensor (torch shards dim 0 in
-``ceil(rows / N)`` pieces, so a shard may hold a row more than ``rows / N``).
+``ceil(rows / N)`` pieces, so a shard may hold a row more than ``rows / N``). ``units`` counts the modules
+that ``fully_shard`` made into FSDP units (0 under DDP; 1 when only a root was wrapped).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 from lightning import Callback, LightningModule, Trainer
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -35,6 +37,7 @@ class ShardBytes(Callback):
 
     def __init__(self) -> None:
         self.measured: dict[str, tuple[int, int, int]] = {}
+        self.units = 0
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         params = [p for p in pl_module.parameters() if p.requires_grad]
@@ -42,3 +45,4 @@ class ShardBytes(Callback):
                   if isinstance(v, torch.Tensor)]
         self.measured = {"params": held(params), "grads": held(p.grad for p in params if p.grad is not None),
                          "optimizer": held(states)}
+        self.units = sum(isinstance(m, FSDPModule) for m in pl_module.modules())

@@ -3,8 +3,10 @@
 Lightning 2.6 runs FSDP2 through its ``ModelParallelStrategy``; its ``FSDPStrategy`` is FSDP1, which torch
 2.14 no longer builds without an accelerator. This subclass of the former:
 
-* **shards** ``model.net`` by its named blocks (:mod:`.wrap`) over all ranks, one unit per block, so
-  parameters, gradients and optimizer state each take about 1/N per rank; ``sharding_strategy`` picks
+* **shards** any LightningModule over all ranks by a wrap policy (:mod:`.wrap`, ``wrap``): ``model.net``'s named
+  blocks, submodules of some classes, or of at least ``wrap_min_params`` parameters, one ``fully_shard`` unit
+  each, inside one root unit per top-level submodule; so parameters, gradients and optimizer state each take
+  about 1/N per rank; ``sharding_strategy`` picks
   ``full``, ``grad_op`` (blocks stay gathered from forward to backward) or ``hybrid`` (sharded within
   groups of ``hybrid_shard_size`` ranks, replicated across them);
 * is **data parallel** like DDP: every rank is a replica for the sampler and the global-batch rule, and
@@ -30,10 +32,10 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from src.checkpointing.io import AtomicCheckpointIODefault
@@ -42,11 +44,14 @@ from src.runtime.exit_cleanup import release_before_destroy
 from src.runtime.sigterm import install_sigterm_agreement
 from src.strategies.fsdp import checkpoint as ckpt
 from src.strategies.fsdp.wrap import (
+    DEFAULT_MIN_PARAMS,
     SHARDING_STRATEGIES,
     check_shardable,
+    fsdp_units,
     mixed_precision,
     resolve_sharding,
-    shard_by_blocks,
+    resolve_wrap,
+    shard_module,
 )
 from src.strategies.launchers import PreflightSubprocessLauncher
 from src.strategies.options import refuse_foreign_options
@@ -59,9 +64,12 @@ PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "bf16-true", "16-true")  # 
 
 
 class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife, ModelParallelStrategy):
-    """FSDP2 over ``trainer.devices x num_nodes`` processes, sharded by ``model.net``'s named blocks.
+    """FSDP2 over ``trainer.devices x num_nodes`` processes, sharded by a wrap policy (:mod:`.wrap`).
 
     Args:
+        wrap: ``auto`` (``blocks`` for a module with an nn.Sequential ``net``, else ``size``), ``blocks``, ``size``,
+            or a list of classes (import paths or class names, e.g. ``[torch.nn.Linear]``).
+        wrap_min_params: ``size``: a submodule becomes a unit once it holds this many parameters not in a unit below.
         sharding_strategy: ``full``, ``grad_op`` or ``hybrid``.
         hybrid_shard_size: ranks per shard group under ``hybrid``; ``None`` = the processes of one node.
         cpu_offload: keep parameter shards, gradients and optimizer state on the host (needs GPUs).
@@ -73,7 +81,8 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
     strategy_name = "fsdp"
     names_every_option = True  # its constructor passes none of its bases' options on (src/strategies/options.py)
 
-    def __init__(self, sharding_strategy: str = "full", hybrid_shard_size: int | None = None,
+    def __init__(self, sharding_strategy: str = "full", hybrid_shard_size: int | None = None, wrap: Any = "auto",
+                 wrap_min_params: int = DEFAULT_MIN_PARAMS,
                  cpu_offload: bool = False, state_dict_type: str = "sharded", process_group_backend: str | None = None,
                  timeout: timedelta | float | None = None, hang_timeout_s: float | None = 120.0,
                  sigterm_check_every_n_batches: int = 10, **unknown: Any) -> None:
@@ -90,6 +99,7 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
                          process_group_backend=process_group_backend, timeout=timeout)
         self.init_process_life(sigterm_check_every_n_batches, hang_timeout_s, timeout, process_group_backend)
         self.sharding_strategy = resolve_sharding(sharding_strategy)
+        self.wrap_policy = resolve_wrap(wrap, wrap_min_params)
         self.hybrid_shard_size = hybrid_shard_size
         self.cpu_offload = bool(cpu_offload)
         self.state_dict_type = state_dict_type
@@ -123,7 +133,7 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
                             datamodule: pl.LightningDataModule | None = None) -> None:
         """What fsdp checks before any rank starts (:func:`src.strategies.launchers.preflight`): the model, then the
         mesh, then the options."""
-        check_shardable(model)
+        check_shardable(model, self.wrap_policy)
         if self.processes % self.shard_size:
             raise ConfigError(f"trainer=fsdp cannot split {self.processes} processes into hybrid shard groups of "
                               f"{self.shard_size}; fix: make trainer.strategy.hybrid_shard_size divide trainer.devices "
@@ -170,22 +180,24 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
                                 mesh_dim_names=("replicate", "shard"))
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """Convert (``*-true`` precision), move, shard by blocks; then optimizers over the shards.
+        """Convert (``*-true`` precision), move, shard by the wrap policy; then optimizers over the shards.
 
         Not ModelParallelStrategy.setup, which needs the model's own ``configure_model``: the strategy shards.
         """
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        if not isinstance(module.net, FSDPModule):  # a later test/validate reuses the sharded module
-            check_shardable(module)
+        if not fsdp_units(module):  # a later test/validate reuses the sharded module
+            check_shardable(module, self.wrap_policy)
             layer_sync = compat.layer_sync_of(self)
             if layer_sync is not None:
                 self.model = layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
             self.shard_mesh = self._mesh_to_shard_over()
-            shard_by_blocks(module, self.shard_mesh, SHARDING_STRATEGIES[self.sharding_strategy],
-                            mixed_precision(str(getattr(self.precision_plugin, "precision", ""))), self.cpu_offload)
+            plan = shard_module(module, self.shard_mesh, SHARDING_STRATEGIES[self.sharding_strategy],
+                                mixed_precision(str(getattr(self.precision_plugin, "precision", ""))), self.cpu_offload,
+                                self.wrap_policy)
+            rank_zero_info(f"trainer=fsdp: {plan.describe()}")
         self.barrier()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -202,7 +214,7 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
     def _follow_rank_zero_buffers(self) -> None:
         """Buffers (BatchNorm statistics) from global rank 0, as DDP's ``broadcast_buffers`` does before a step."""
         if self.world_size > 1:
-            for buffer in self.lightning_module.net.buffers():
+            for buffer in self.lightning_module.buffers():
                 dist.broadcast(buffer, src=0)
 
     # -- checkpoints -----------------------------------------------------------------------------------
