@@ -26,7 +26,9 @@ from src.strategies.dp.shards import ShardRunner
 from src.strategies.launchers import preflight
 from src.utils.errors import ConfigError
 from src.utils.lightning_compat import replica_sharing_parameters as shared_replica
+from tests.helpers.entry import run_entry
 from tests.helpers.run_if import requires_2_gpus
+from tests.test_bad_input import error_line
 
 
 class Call(NamedTuple):
@@ -220,7 +222,7 @@ def test_bad_configurations_fail_early():
     with pytest.raises(ConfigError, match="sync_batchnorm=false"):  # at fit, before any step
         _trainer("dp", 2, sync_batchnorm=True, max_steps=1).fit(
             RecordingRegression(), ToyDataModule(num_samples=64, val_size=16, batch_size=8))
-    with pytest.raises(ConfigError, match="needs the StepModule protocol.*BoringModel lacks model_step"):
+    with pytest.raises(ConfigError, match=r"trainer=dp needs model_step\(batch\) -> dict.*BoringModel lacks model_step, record_step"):
         _trainer("dp", 2, max_steps=1).fit(BoringModel())
     compiled = RegressionModule(net=ToyNet(), optimizer=partial(torch.optim.SGD, lr=0.1), compile=True)
     with pytest.raises(ConfigError, match="model.compile=false"):
@@ -288,3 +290,22 @@ def test_dp_on_two_gpus_replicates_and_matches_single_gpu():
     assert sorted(c.size for c in calls) == [4, 4]
     for name in single:
         torch.testing.assert_close(dp[name], single[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+# -- the protocol, from the command line: a LightningModule without it, refused before any process starts ----
+LIGHTNING_DEMO = ["~model", "~data", "+data._target_=lightning.pytorch.demos.boring_classes.BoringDataModule",
+                  "callbacks=none", "optimized_metric=null", "extras.print_config=false", "trainer.accelerator=cpu"]
+
+
+@pytest.mark.parametrize("model", ["BoringModel", "DemoModel"])
+def test_a_lightning_module_without_the_protocol_is_refused_in_one_line(tmp_path, model):
+    """``src/train.py trainer=dp`` with Lightning's demo modules: exit 2, one line naming every missing member
+    of the protocol (src/strategies/protocols.py) and the fix; no traceback, no rank, no run directory."""
+    proc = run_entry("train", *LIGHTNING_DEMO, f"+model._target_=lightning.pytorch.demos.boring_classes.{model}",
+                     "trainer=dp", f"hydra.run.dir={tmp_path}/run", timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = error_line(proc)
+    assert (f"trainer=dp needs model_step(batch) -> dict, record_step(stage, out) -> loss; "
+            f"{model} lacks model_step, record_step; fix: subclass src.models.step_module.StepModule") in line, line
+    assert "Initializing distributed" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -34,7 +34,9 @@ from src.strategies.pipeline.partition import balanced_split, plan_stages, split
 from src.strategies.pipeline.schedule import check_schedule, stage_indices
 from src.strategies.pipeline.strategy import PipelineStrategy
 from src.utils.errors import ConfigError
+from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers
+from tests.test_bad_input import error_line
 
 SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)]
 
@@ -185,7 +187,7 @@ def test_bad_layouts_fail_before_any_process_starts():
     ("model", "trainer_kwargs", "message"),
     [
         (lambda: CountingRegression(ToyNet()), {"devices": 3}, "has 2 blocks, fewer than the 3 pipeline stages"),
-        (lambda: CountingRegression(nn.Linear(10, 5)), {}, "and it is a Linear; fix: build the net as an nn.Sequential"),
+        (lambda: CountingRegression(nn.Linear(10, 5)), {}, "CountingRegression lacks net \\(it is a Linear\\); fix: build the net as an nn.Sequential"),
         (lambda: CountingRegression(ToyNet()), {"gradient_clip_val": 1.0}, "gradient_clip_algorithm=value"),
         (lambda: CountingRegression(ToyNet()), {"sync_batchnorm": True}, "sync_batchnorm=true is not supported"),
     ],
@@ -511,3 +513,22 @@ def test_preflight_applies_the_global_batch_rule_only_to_datamodules_that_say_so
     preflight(trainer, CountingRegression(ToyNet()), Theirs())
     with pytest.raises(ConfigError, match="use a multiple of 3"):
         preflight(trainer, CountingRegression(ToyNet()), _toy_data(batch_size=31))
+
+
+# -- the protocol, from the command line: a LightningModule without it, refused before any process starts ----
+LIGHTNING_DEMO = ["~model", "~data", "+data._target_=lightning.pytorch.demos.boring_classes.BoringDataModule",
+                  "callbacks=none", "optimized_metric=null", "extras.print_config=false", "trainer.accelerator=cpu"]
+
+
+@pytest.mark.parametrize("model", ["BoringModel", "DemoModel"])
+def test_a_lightning_module_without_the_protocol_is_refused_in_one_line(tmp_path, model):
+    """``src/train.py trainer=pipeline`` with Lightning's demo modules: exit 2, one line naming every missing member
+    of the protocol (src/strategies/protocols.py) and the fix; no traceback, no rank, no run directory."""
+    proc = run_entry("train", *LIGHTNING_DEMO, f"+model._target_=lightning.pytorch.demos.boring_classes.{model}",
+                     "trainer=pipeline", "trainer.devices=2", f"hydra.run.dir={tmp_path}/run", timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = error_line(proc)
+    assert (f"trainer=pipeline needs net (an nn.Sequential of named blocks), criterion(output, target) -> loss, record_step(stage, out) -> loss; "
+            f"{model} lacks net, criterion, record_step; fix: subclass src.models.step_module.StepModule") in line, line
+    assert "Initializing distributed" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -42,6 +42,7 @@ from src.strategies.dp.shards import (
 )
 from src.strategies.global_batch import check_dp_batch
 from src.strategies.options import refuse_foreign_options
+from src.strategies.protocols import STEP_MEMBERS, missing_members, protocol_error
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 
@@ -171,12 +172,9 @@ class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
         check_dp_batch(hparams.get("batch_size", getattr(datamodule, "batch_size", None)), len(self.parallel_devices))
 
     def _check_model(self, model: pl.LightningModule) -> None:
-        missing = [name for name in ("model_step", "record_step") if not callable(getattr(model, name, None))]
+        missing = missing_members(model, STEP_MEMBERS)  # the StepProtocol (src/strategies/protocols.py)
         if missing:
-            raise ConfigError(
-                f"the dp strategy needs the StepModule protocol (model_step/record_step); "
-                f"{type(model).__name__} lacks {', '.join(missing)}; fix: subclass src.models.step_module.StepModule"
-            )
+            raise ConfigError(protocol_error("dp", model, STEP_MEMBERS, missing))
         if not model.automatic_optimization:
             raise ConfigError(
                 f"{type(model).__name__} uses manual optimization, which dp does not support "

@@ -56,6 +56,7 @@ from src.strategies.pipeline.partition import (
 )
 from src.strategies.pipeline.runner import PipelineRunner
 from src.strategies.pipeline.schedule import canonical_schedule, check_schedule, stage_indices
+from src.strategies.protocols import PIPELINE_MEMBERS, missing_members, protocol_error
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 
@@ -142,13 +143,9 @@ class PipelineStrategy(DDPStrategy):
         causes first: the model, then whether it splits into the stages, then the schedule and the settings."""
         if trainer.state.fn == TrainerFn.PREDICTING:
             raise ConfigError("trainer=pipeline does not predict; fix: load the checkpoint on one device (trainer=default)")
-        for hook in ("criterion", "record_step"):
-            if not callable(getattr(model, hook, None)):
-                raise ConfigError(f"trainer=pipeline needs a StepModule (with `{hook}`), got {type(model).__name__}; fix: "
-                                  "subclass src.models.step_module.StepModule")
-        if not isinstance(getattr(model, "net", None), nn.Module):
-            raise ConfigError(f"trainer=pipeline splits the module's `net` attribute, and {type(model).__name__} has none; fix: hold "
-                              "the network in self.net")
+        missing = missing_members(model, PIPELINE_MEMBERS)  # the PipelineProtocol (src/strategies/protocols.py)
+        if missing:
+            raise ConfigError(protocol_error("pipeline", model, PIPELINE_MEMBERS, missing))
         if not model.automatic_optimization:
             raise ConfigError("trainer=pipeline runs backward inside the schedule, so manual optimization cannot; fix: use "
                               "automatic optimization (model.owned_step=false), or another trainer")
