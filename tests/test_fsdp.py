@@ -283,7 +283,7 @@ def fit(rank: int, world_size: int, out_dir: str, overrides: list[str]) -> dict:
     metrics, objects = train(cfg)
     (probe,) = [c for c in objects["callbacks"] if type(c).__name__ == "ShardBytes"]
     checkpoints = Path(out_dir) / "checkpoints"
-    return {"bytes": probe.measured, "last": str(checkpoints / "last.ckpt"), "run_dir": out_dir,
+    return {"bytes": probe.measured, "units": probe.units, "last": str(checkpoints / "last.ckpt"), "run_dir": out_dir,
             "best": objects["trainer"].checkpoint_callback.best_model_path,
             "test": {k: float(v) for k, v in metrics.items() if k.startswith("test/")}}
 
@@ -310,30 +310,39 @@ def _weights(result: list[dict]) -> dict[str, torch.Tensor]:
 
 FSDP = ("trainer=fsdp",)
 DDP = ("trainer=ddp",)
+# ashleve's SimpleDenseNet layout in place of the project's MLP: no nn.Sequential net, BatchNorm buffers
+DENSE = ("model.net._target_=tests.test_fsdp.DenseNet", "model.net.batch_norm=true")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("n", "variant"), [(2, ()), (4, ()), (2, ("trainer.strategy.sharding_strategy=grad_op",)),
-                                            (4, ("trainer.strategy.sharding_strategy=hybrid",
-                                                 "trainer.strategy.hybrid_shard_size=2"))],
-                         ids=["full-2", "full-4", "grad_op-2", "hybrid-2x2"])
-def test_weights_equal_ddp(runs, n, variant):
-    """Proof 1: after the same steps, same global batch and seed, every weight equals DDP's within 1e-5."""
-    fsdp, ddp = _weights(runs(n, *FSDP, *variant)), _weights(runs(n, *DDP))
+@pytest.mark.parametrize(("n", "variant", "net"), [
+    (2, (), ()), (4, (), ()), (2, ("trainer.strategy.sharding_strategy=grad_op",), ()),
+    (4, ("trainer.strategy.sharding_strategy=hybrid", "trainer.strategy.hybrid_shard_size=2"), ()),
+    (2, (), DENSE),
+], ids=["full-2", "full-4", "grad_op-2", "hybrid-2x2", "dense-net-2"])
+def test_weights_equal_ddp(runs, n, variant, net):
+    """Proof 1: after the same steps, same global batch and seed, every weight equals DDP's within 1e-5; also for
+    a net that is not an nn.Sequential (the ``size`` policy's units; BatchNorm statistics from rank 0)."""
+    fsdp, ddp = _weights(runs(n, *FSDP, *variant, *net)), _weights(runs(n, *DDP, *net))
     assert fsdp.keys() == ddp.keys()
     for name in ddp:
         torch.testing.assert_close(fsdp[name], ddp[name], rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("n", "variant", "shard"), [(2, (), 2), (4, (), 4),
-                                                     (4, ("trainer.strategy.sharding_strategy=hybrid",
-                                                          "trainer.strategy.hybrid_shard_size=2"), 2)],
-                         ids=["full-2", "full-4", "hybrid-2x2"])
-def test_each_rank_holds_a_shard_of_ddp_bytes(runs, n, variant, shard):
+@pytest.mark.parametrize(("n", "variant", "shard", "net"), [
+    (2, (), 2, ()), (4, (), 4, ()),
+    (4, ("trainer.strategy.sharding_strategy=hybrid", "trainer.strategy.hybrid_shard_size=2"), 2, ()),
+    (2, (), 2, DENSE),
+], ids=["full-2", "full-4", "hybrid-2x2", "dense-net-2"])
+def test_each_rank_holds_a_shard_of_ddp_bytes(runs, n, variant, shard, net):
     """Proof 2: per rank, parameters, gradients and optimizer state take at most 1/shard of DDP's bytes plus the
-    unsharded remainder; the shards of one copy add up to DDP's bytes exactly (measured, not computed)."""
-    fsdp, ddp = runs(n, *FSDP, *variant), runs(n, *DDP)
+    unsharded remainder; the shards of one copy add up to DDP's bytes exactly (measured, not computed). The
+    model was split into more than one FSDP unit (a root-only wrap would shard the bytes too, but gather the
+    whole model at once)."""
+    fsdp, ddp = runs(n, *FSDP, *variant, *net), runs(n, *DDP, *net)
+    assert all(r["units"] > 1 for r in fsdp), [r["units"] for r in fsdp]
+    assert all(r["units"] == 0 for r in ddp)
     for kind in ("params", "grads", "optimizer"):
         whole = ddp[0]["bytes"][kind][0]
         assert all(r["bytes"][kind] == ddp[0]["bytes"][kind] for r in ddp)  # DDP: every rank holds it all

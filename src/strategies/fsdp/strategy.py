@@ -223,6 +223,9 @@ class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife
         return self.state_dict_type == "full"
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Every rank calls it. Buffers first follow global rank 0, as a DDP checkpoint holds rank 0's: a sharded
+        save writes a replicated tensor (BatchNorm statistics) from whichever rank it picks."""
+        self._follow_rank_zero_buffers()
         return ckpt.model_state(self.model, self.full_state_dict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
