@@ -22,6 +22,7 @@ class ClassificationModule(StepModule):
 
     task = "classification"  # pairs with data of the same task (src/utils/config_checks.py)
     best_of = "acc"  # val/acc_best
+    capture_safe = True  # criterion may run inside a captured step (src/models/step_capture.py)
 
     def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, **options: Any) -> None:
         """``options``: the :class:`~src.models.step_module.StepModule` switches (compile, fused_optimizer...)."""

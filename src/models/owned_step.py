@@ -17,6 +17,12 @@ run (``true`` is kept for configs that name it); ``false`` never.
 On one CUDA device the owned step is captured as a CUDA graph and replayed (``step_capture``,
 :mod:`src.models.step_capture`): ``auto`` (the default) captures where the run is eligible and says in
 one info line why not elsewhere; ``true`` refuses an ineligible run; ``false`` never captures.
+
+Subclasses (docs/subclassing.md): a module that sets ``self.automatic_optimization`` (Lightning's switch) gets
+that choice, and the project's step steps aside; one that overrides ``training_step`` keeps Lightning's step.
+The fit-time work lives in :class:`src.models.step_module.StepMachinery`, a callback the module contributes
+through ``configure_callbacks``, not in module hooks a subclass may override without ``super()``: the
+functions below are what it calls.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
@@ -45,10 +52,12 @@ from src.utils.pylogger import RankedLogger
 log = RankedLogger(__name__)
 
 
-def owned_step_blocker(trainer: L.Trainer, mode: str | bool) -> str | None:
+def owned_step_blocker(trainer: L.Trainer, mode: str | bool, module: Any = None) -> str | None:
     """Why this trainer's steps stay Lightning's under ``owned_step=mode`` (None: the module owns them)."""
     if mode is False:
         return "model.owned_step=false"
+    if module is not None and type(module).training_step is not OwnedStep.owned_step_dispatch:
+        return f"{type(module).__name__} overrides training_step"
     strategy = trainer.strategy
     if not (isinstance(strategy, RunsOwnedStep) and strategy.runs_owned_step):
         return f"{type(strategy).__name__} runs its own step"
@@ -95,7 +104,9 @@ class OwnedStep:
     """Mixin for :class:`src.models.step_module.StepModule` (a LightningModule with ``model_step``/``record_step``)."""
 
     scheduler_monitor: str  # the metric a ReduceLROnPlateau scheduler follows
-    _owned_for: tuple[Any, bool] | None = None  # (trainer, owns): decided once per trainer
+    machinery: type[L.Callback]  # the callback that runs the fit-time work (StepModule: StepMachinery)
+    _optimization_choice: bool | None = None  # set by ``self.automatic_optimization = ...`` (the user's choice)
+    _owned_for: tuple[Any, bool, bool] | None = None  # (trainer, owns, checked): decided once per trainer
     _epoch_ran_to_end = False  # the last owned step was its epoch's last batch
     _capture: StepCapture | None = None  # this fit's captured step (None: eager)
     _direct = False  # this fit's eager step calls backward and the optimizer itself (direct_step_blocker)
@@ -103,50 +114,63 @@ class OwnedStep:
 
     @property
     def automatic_optimization(self) -> bool:
-        try:
-            trainer = self.trainer
-        except RuntimeError:  # not attached to a Trainer (yet): nothing to decide
-            return True
-        if self._owned_for is None or self._owned_for[0] is not trainer:
-            blocker = owned_step_blocker(trainer, self.hparams.get("owned_step", "auto"))
-            if blocker is not None and blocker != "model.owned_step=false":
-                log.info(f"Lightning's automatic optimization runs the training step: {blocker}")
-            self._owned_for = (trainer, blocker is None)
-        return not self._owned_for[1]
+        """Lightning's switch. Set (``self.automatic_optimization = False`` in ``__init__``, as Lightning documents),
+        the choice is the user's. Unset, the module owns its step where :func:`owned_step_blocker` allows it; until
+        the optimizers are configured it answers True, so that Lightning reads ``configure_optimizers``' schedulers
+        as under automatic optimization (keeping ``monitor`` and ``strict``, which the owned step follows)."""
+        trainer = self._trainer
+        if trainer is None:  # not attached to a Trainer (yet): nothing to decide
+            return True if self._optimization_choice is None else self._optimization_choice
+        state = self._owned_for
+        if state is None or state[0] is not trainer or not state[2]:
+            state = self._settle_step_owner(trainer)
+        if self._optimization_choice is not None:
+            return self._optimization_choice
+        return not (state[1] and state[2])
 
-    def on_fit_start(self) -> None:
-        """Refuse an explicit capture request this run cannot honour now, before the sanity check and any compile
-        (the optimizers and callbacks exist already); :meth:`on_train_start` decides the rest."""
-        if self.hparams.get("step_capture", "auto") is True:
-            blocker = capture_blocker(self.trainer, self, True)
-            if blocker is not None:
-                raise ConfigError(f"model.step_capture=true cannot capture this run: {blocker}; fix: set "
-                                  "model.step_capture=auto (capture where it can) or false")
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self._optimization_choice = bool(value)
 
-    def on_train_start(self) -> None:
-        """Decide, once per fit, whether the owned step is captured (the optimizers, callbacks and any resumed state
-        are in place now)."""
-        self._capture = None
+    def _settle_step_owner(self, trainer: L.Trainer) -> tuple[Any, bool, bool]:
+        state = self._owned_for
+        if state is None or state[0] is not trainer:
+            owns = False
+            if self._optimization_choice is None:
+                blocker = owned_step_blocker(trainer, self.hparams.get("owned_step", "auto"), self)
+                if blocker is not None and blocker != "model.owned_step=false":
+                    log.info(f"Lightning's automatic optimization runs the training step: {blocker}")
+                owns = blocker is None
+            state = (trainer, owns, False)
+        if trainer.strategy.optimizers:  # configured: Lightning has attached the module's callbacks by now
+            checked = (trainer, state[1], True)
+            if not any(isinstance(cb, self.machinery) for cb in trainer.callbacks):
+                self._owned_for = checked  # said once: the hooks Lightning runs on the way out read this property too
+                raise ConfigError(
+                    f"{type(self).__name__}.configure_callbacks leaves out {self.machinery.__name__}, which runs the "
+                    "project's schedulers, seeding, compile and step capture for this module; fix: return "
+                    "[*super().configure_callbacks(), <your callbacks>]")
+            state = checked
+        self._owned_for = state
+        return state
+
+    def step_is_manual(self, trainer: L.Trainer) -> bool:
+        """Whether this fit's training step runs under manual optimization (the owned step's or the user's), also
+        before the optimizers are configured (when the property still answers for their configuration)."""
+        if self._optimization_choice is not None:
+            return not self._optimization_choice
+        state = self._owned_for
+        if state is None or state[0] is not trainer:
+            state = self._settle_step_owner(trainer)
+        return state[1]
+
+    def owned_step_dispatch(self, batch: Any, batch_idx: int) -> Tensor:
+        """``training_step``: the owned step where the module owns it, else Lightning's (forward, loss, logging)."""
         if not self.automatic_optimization:
-            blocker = direct_step_blocker(self.trainer, self)
-            self._direct = blocker is None
-            if blocker is not None:
-                log.debug(f"the owned step runs through Lightning's manual_backward and optimizer.step: {blocker}")
-        mode = self.hparams.get("step_capture", "auto")
-        blocker = capture_blocker(self.trainer, self, mode)
-        if blocker is None:
-            step_lr = any(c.interval == "step" for c in self.trainer.lr_scheduler_configs)
-            self._capture = StepCapture(self, GRAPHS[self.device.type], lr_on_device=step_lr)
-            log.info("the training step is captured as a graph after its warm-up steps and replayed")
-        elif mode == "auto" and not self.automatic_optimization:
-            log.info(f"the owned training step runs eagerly: {blocker}")
+            return self.owned_training_step(batch, batch_idx)
+        return self.record_step("train", self.model_step(batch))
 
-    def on_train_end(self) -> None:
-        capture, self._capture = self._capture, None  # frees the graph and its memory pool
-        if capture is not None:
-            self.step_capture_counts = (capture.captures, capture.replayed)
-            log.info(f"{capture.replayed} of {self.trainer.global_step} training steps ran as replays of "
-                     f"{capture.captures} captured graph(s)")
+    training_step = owned_step_dispatch
 
     def owned_training_step(self, batch: Any, batch_idx: int) -> Tensor:
         """One optimizer step, in the order Lightning's closure runs it, then the schedulers Lightning would step."""
@@ -154,7 +178,13 @@ class OwnedStep:
         if capture is None:
             loss = self._eager_step(batch)
         elif capture.can_replay(batch):
-            loss = self.record_step("train", capture.step(batch))
+            out = capture.step(batch)
+            if out is None:  # the capture failed (one warning said so): this step and the fit's others run eagerly
+                self._capture = None
+                self.step_capture_counts = (capture.captures, capture.replayed)
+                loss = self._eager_step(batch)
+            else:
+                loss = self.record_step("train", out)
         else:
             with capture.eager_step():
                 loss = self._eager_step(batch)
@@ -196,38 +226,107 @@ class OwnedStep:
             if index % config.frequency == 0:
                 self.lr_scheduler_step(config.scheduler, None)
 
-    def on_train_epoch_end(self) -> None:
-        """ReduceLROnPlateau steps on the epoch's validation metric here, in either optimization mode: before the
-        epoch's checkpoint, once per epoch that ran all its batches. Its own step count says whether this epoch's
-        step is made already (a resume from the epoch's end), not Lightning's restart flag, which stays up for
-        the whole of an epoch resumed mid-way."""
-        trainer = self.trainer
-        if not compat.epoch_ran_to_end(trainer):
-            return
-        for config in trainer.lr_scheduler_configs:
-            if not (isinstance(config.scheduler, ReduceLROnPlateau) and config.interval == "epoch"):
-                continue
-            due = (trainer.current_epoch + 1) // config.frequency  # the steps made by the end of this epoch
-            if (trainer.current_epoch + 1) % config.frequency or config.scheduler.last_epoch >= due:
-                continue
-            monitor = config.monitor or self.scheduler_monitor
-            value = trainer.callback_metrics.get(monitor)
-            if value is None:
-                raise ConfigError(f"ReduceLROnPlateau follows {monitor}, which was not logged; fix: "
-                                  f"set scheduler_monitor to one of {sorted(trainer.callback_metrics)}")
-            super().lr_scheduler_step(config.scheduler, value)  # Lightning's step, past the skip below
-
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
-        """Lightning's, less the epoch plateau step its loop takes after the epoch's checkpoint: taken before it,
-        above."""
-        if isinstance(scheduler, ReduceLROnPlateau) and any(
-                c.scheduler is scheduler and c.interval == "epoch" for c in self.trainer.lr_scheduler_configs):
+        """Lightning's, less a second plateau step in an epoch: :func:`step_plateau_schedulers` makes the epoch's
+        before its checkpoint, and Lightning's loop (automatic optimization) asks for it again after that save."""
+        if self._optimization_choice is not False and plateau_step_made(self.trainer, scheduler):
             return
         super().lr_scheduler_step(scheduler, metric)
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        learning_rates_as_floats(checkpoint)  # a captured step may hold them as device tensors
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint of either mode resumes in either: its step count moves to this run's counter."""
-        compat.carry_optimizer_steps(checkpoint, to_manual=not self.automatic_optimization)
+def plateau_step_made(trainer: L.Trainer, scheduler: Any) -> bool:
+    """Whether ``scheduler`` (an epoch-interval ReduceLROnPlateau of this fit) has made this epoch's step already: its
+    own step count says so (not Lightning's restart flag, which stays up for the whole of an epoch resumed
+    mid-way)."""
+    if not isinstance(scheduler, ReduceLROnPlateau):
+        return False
+    for config in trainer.lr_scheduler_configs:
+        if config.scheduler is scheduler and config.interval == "epoch":
+            return scheduler.last_epoch >= (trainer.current_epoch + 1) // config.frequency
+    return False
+
+
+# -- what the module's callback (src.models.step_module.StepMachinery) runs ---------------------------------------
+
+
+def refuse_capture_request(trainer: L.Trainer, module: Any) -> None:
+    """At fit start (the optimizers and callbacks exist): refuse an explicit capture request this run cannot honour,
+    and a manual-optimization switch with no manual step to run, each in one line."""
+    if module._optimization_choice is False and type(module).training_step is OwnedStep.owned_step_dispatch:
+        raise ConfigError(f"{type(module).__name__} sets automatic_optimization = False but keeps the project's "
+                          "training_step; fix: write your own manual training_step (self.optimizers(), "
+                          "self.manual_backward(loss), optimizer.step()), or leave automatic_optimization unset")
+    if module.hparams.get("step_capture", "auto") is True:
+        blocker = capture_blocker(trainer, module, True)
+        if blocker is not None:
+            raise ConfigError(f"model.step_capture=true cannot capture this run: {blocker}; fix: set "
+                              "model.step_capture=auto (capture where it can) or false")
+
+
+def start_owned_fit(trainer: L.Trainer, module: Any) -> None:
+    """At train start (the optimizers, callbacks and any resumed state are in place): whether the eager owned step
+    calls backward and the optimizer itself, and whether the step is captured."""
+    module._capture = None
+    module.step_capture_counts = (0, 0)
+    if not module.automatic_optimization and module._optimization_choice is None:
+        blocker = direct_step_blocker(trainer, module)
+        module._direct = blocker is None
+        if blocker is not None:
+            log.debug(f"the owned step runs through Lightning's manual_backward and optimizer.step: {blocker}")
+    mode = module.hparams.get("step_capture", "auto")
+    blocker = capture_blocker(trainer, module, mode)
+    if blocker is None:
+        step_lr = any(c.interval == "step" for c in trainer.lr_scheduler_configs)
+        module._capture = StepCapture(module, GRAPHS[module.device.type], lr_on_device=step_lr)
+        log.info("the training step is captured as a graph after its warm-up steps and replayed")
+    elif mode == "auto" and not module.automatic_optimization and module._optimization_choice is None:
+        log.info(f"the owned training step runs eagerly: {blocker}")
+
+
+def end_owned_fit(trainer: L.Trainer, module: Any) -> None:
+    capture, module._capture = module._capture, None  # frees the graph and its memory pool
+    if capture is not None:
+        module.step_capture_counts = (capture.captures, capture.replayed)
+        log.info(f"{capture.replayed} of {trainer.global_step} training steps ran as replays of "
+                 f"{capture.captures} captured graph(s)")
+
+
+def step_plateau_schedulers(trainer: L.Trainer, module: Any) -> None:
+    """At the training epoch's end: each epoch-interval ReduceLROnPlateau steps on the epoch's validation metric,
+    once per epoch that ran all its batches, before the epoch's checkpoint, through the module's
+    ``lr_scheduler_step`` (as Lightning calls it), in either optimization mode. Under Lightning's optimization, a
+    module whose own ``lr_scheduler_step`` may skip :meth:`OwnedStep.lr_scheduler_step`'s check leaves the step to
+    Lightning's loop (after the checkpoint, as Lightning makes it): stepped once, never twice. A module that set
+    ``automatic_optimization = False`` steps its schedulers itself, as Lightning documents."""
+    if module._optimization_choice is False or not compat.epoch_ran_to_end(trainer):
+        return
+    for config in trainer.lr_scheduler_configs:
+        if not (isinstance(config.scheduler, ReduceLROnPlateau) and config.interval == "epoch"):
+            continue
+        if (trainer.current_epoch + 1) % config.frequency or plateau_step_made(trainer, config.scheduler):
+            continue
+        if module.automatic_optimization and overrides(module, OwnedStep, "lr_scheduler_step"):
+            if not getattr(module, "_said_plateau_after_save", False):
+                module._said_plateau_after_save = True
+                log.info(f"ReduceLROnPlateau steps after the epoch's checkpoint, in Lightning's loop: "
+                         f"{type(module).__name__} overrides lr_scheduler_step")
+            continue
+        monitor = config.monitor or module.scheduler_monitor
+        value = trainer.callback_metrics.get(monitor)
+        if value is None:
+            if config.strict:
+                raise ConfigError(f"ReduceLROnPlateau follows {monitor}, which was not logged; fix: set the scheduler's "
+                                  f"monitor (or scheduler_monitor) to one of {sorted(trainer.callback_metrics)}")
+            rank_zero_warn(f"ReduceLROnPlateau conditioned on metric {monitor} which is not available; it does not "
+                           "step this epoch (strict=False)")
+            continue
+        module.lr_scheduler_step(config.scheduler, value)
+
+
+def save_checkpoint(checkpoint: dict[str, Any]) -> None:
+    learning_rates_as_floats(checkpoint)  # a captured step may hold them as device tensors
+
+
+def load_checkpoint(trainer: L.Trainer, module: Any, checkpoint: dict[str, Any]) -> None:
+    """A checkpoint of either mode resumes in either: its step count moves to this run's counter."""
+    compat.carry_optimizer_steps(checkpoint, to_manual=module.step_is_manual(trainer))

@@ -17,6 +17,7 @@ class RegressionModule(StepModule):
 
     task = "regression"  # pairs with data of the same task (src/utils/config_checks.py)
     best_of = "loss"  # val/loss_best
+    capture_safe = True  # criterion may run inside a captured step (src/models/step_capture.py)
 
     def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, **options: Any) -> None:
         """``options``: the :class:`~src.models.step_module.StepModule` switches (compile, fused_optimizer...)."""

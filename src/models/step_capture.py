@@ -20,6 +20,16 @@ a capture needs, and where this module provides it:
 * autocast without its weight-cast cache inside the capture (the cache would hold casts from outside it).
 
 The graph is replayed only for batches of the captured shape: a ragged last batch runs the eager step.
+
+What runs inside the capture must be known to be graph-safe: no host sync (``.item()``, ``bool(tensor)``), no
+Python-side random draw or branch on data (a replay would repeat the capture's choice, silently). ``auto``
+captures only networks that declare it, ``capture_safe = True`` in their own class body (the declaration is
+not inherited: a subclass may add what its base never ran), as the project's components (MLP, ResNet18,
+ToyNet) do; and a module whose ``forward``, ``model_step``, ``criterion``, ``manual_backward`` and ``backward``
+are the project's or Lightning's, or whose own class declares ``capture_safe = True``. Elsewhere ``auto``
+stays eager and says why in one info line; ``true`` refuses the run in one line (docs/subclassing.md).
+A capture that fails all the same (an exception while recording) falls back to the eager step with one
+warning: that step runs eagerly, once, and so does the rest of the fit.
 """
 
 from __future__ import annotations
@@ -43,6 +53,9 @@ if TYPE_CHECKING:
 log = RankedLogger(__name__)
 
 WARMUP_STEPS = 3  # eager steps before capture (torch's whole-network example warms up for 3)
+
+# The module's methods that run inside a capture (model_step calls forward and criterion; manual_backward, backward)
+IN_CAPTURE_METHODS = ("forward", "model_step", "criterion", "manual_backward", "backward")
 
 # Hooks Lightning runs *inside* an owned step (from manual_backward and optimizer.step): a capture runs them
 # once, and a replay never, so a callback or module that overrides one keeps the step eager.
@@ -104,6 +117,33 @@ def capture_blocker(trainer: Trainer, module: LightningModule, mode: str | bool)
     listener = in_step_hook_listener(trainer, module)
     if listener is not None:
         return f"{listener} runs inside the step, and a replay would skip it"
+    return undeclared_capture_code(module)
+
+
+def declares_capture_safe(cls: type) -> bool:
+    """Whether ``cls``'s own body says ``capture_safe = True`` (inherited declarations do not count)."""
+    return cls.__dict__.get("capture_safe") is True
+
+
+def undeclared_capture_code(module: LightningModule) -> str | None:
+    """What would run inside the capture without being known to be graph-safe (None: all of it is known)."""
+    cls = type(module)
+    if cls.__dict__.get("capture_safe") is not False:  # an explicit False opts the module out
+        for name in IN_CAPTURE_METHODS:
+            definer = next((k for k in cls.__mro__ if name in k.__dict__), None)
+            if definer is None or definer is LightningModule or declares_capture_safe(definer) or \
+                    declares_capture_safe(cls):
+                continue
+            return (f"{definer.__qualname__}.{name} runs inside the captured step and {cls.__qualname__} does not "
+                    f"declare capture_safe = True (opt in where it makes no host sync, Python-side random draw or "
+                    "data-dependent branch: docs/subclassing.md)")
+    else:
+        return f"{cls.__qualname__} declares capture_safe = False"
+    net = getattr(module, "net", None)
+    if net is not None and not declares_capture_safe(type(net)):
+        return (f"model.net is {type(net).__qualname__}, which does not declare capture_safe = True (opt in, in its "
+                "class body, where its forward makes no host sync, Python-side random draw or data-dependent "
+                "branch: docs/subclassing.md)")
     return None
 
 
@@ -232,8 +272,9 @@ class StepCapture:
         return None
 
     # -- the captured step -------------------------------------------------------------------------------
-    def step(self, batch: tuple[Tensor, ...]) -> StepOutput:
-        """Run this batch's step as a replay (capturing first where needed): returns the step's outputs."""
+    def step(self, batch: tuple[Tensor, ...]) -> StepOutput | None:
+        """Run this batch's step as a replay (capturing first where needed): returns the step's outputs, or None
+        where the capture failed (said in one warning): nothing of this step ran, and the caller runs it eagerly."""
         optimizer = self.module.optimizers()
         if self.static_batch is None:
             self.static_batch = tuple(t.clone() for t in batch)
@@ -241,7 +282,8 @@ class StepCapture:
             for static, t in zip(self.static_batch, batch, strict=True):
                 static.copy_(t)
         if self.graph is None or not same_settings(group_settings(optimizer.optimizer), self.captured_settings):
-            self.capture(optimizer)  # counts this step, through Lightning's optimizer.step
+            if not self.try_capture(optimizer):  # counts this step, through Lightning's optimizer.step
+                return None
             self.graph.replay()
         else:
             with compat.counted_manual_step(optimizer):
@@ -249,13 +291,36 @@ class StepCapture:
         self.replayed += 1
         return self.static_out
 
+    def try_capture(self, optimizer: Any) -> bool:
+        """Capture the step; where that raises, put back what the attempt changed outside the graph (learning rates
+        made device tensors, Lightning's step count and profiler entry), say so once, and return False."""
+        lrs = [group["lr"] for group in optimizer.optimizer.param_groups]
+        progress = self.module.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        counted = progress.state_dict()
+        try:
+            self.capture(optimizer)
+        except Exception as error:  # noqa: BLE001 - any failure to record falls back to the eager step
+            self.graph = self.static_out = None
+            for group, lr in zip(optimizer.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = float(group["lr"]) if not isinstance(lr, Tensor) else lr
+            if progress.total.ready != counted["total"]["ready"]:  # failed inside Lightning's optimizer.step
+                if progress.total.completed == counted["total"]["completed"]:
+                    self.module.trainer.profiler.stop("optimizer_step")
+                progress.load_state_dict(counted)
+            what = (str(error).strip().splitlines() or [""])[0][:200]
+            log.warning(f"the training step could not be captured ({type(error).__name__}: {what}); it runs eagerly "
+                        f"from here, with the eager step's numbers (declare capture_safe = True only on code that "
+                        "makes no host sync; or set model.step_capture=false)")
+            return False
+        self.captures += 1
+        return True
+
     def capture(self, optimizer: Any) -> None:
         module = self.module
         if self.lr_on_device:
             learning_rates_on_device(optimizer.optimizer, module.device)
         optimizer.zero_grad(set_to_none=True)  # gradients are then allocated in the graph's pool
         self.graph = self.graph_kind()
-        self.captures += 1
         with capturable(optimizer.optimizer), self.graph.capture(), autocast_without_cache(module.device.type):
             out = module.model_step(self.static_batch)
             module.manual_backward(out["loss"])

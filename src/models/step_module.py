@@ -17,16 +17,17 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 import torch
-from lightning import LightningModule
+from lightning import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from src.models import owned_step
 from src.models.optimizers import build_optimizer
 from src.models.owned_step import OwnedStep
 from src.utils import lightning_compat as compat
 from src.utils.seeding import rank_seed
 
-__all__ = ["STAGES", "StepModule", "StepOutput"]
+__all__ = ["STAGES", "StepMachinery", "StepModule", "StepOutput"]
 
 STAGES = ("train", "val", "test")
 
@@ -39,11 +40,79 @@ class StepOutput(TypedDict):
     target: Tensor
 
 
+class StepMachinery(Callback):
+    """The fit-time work of a :class:`StepModule`, in a callback the module contributes (``configure_callbacks``).
+
+    Module hooks are the subclass's to override, often without ``super()`` (a template's empty
+    ``on_train_epoch_end``): had this work lived there, such an override would have dropped it silently (a
+    ReduceLROnPlateau that never steps). Lightning calls a callback's hooks just before the module's own, so
+    each runs where the module's ran. A subclass that overrides ``configure_callbacks`` without ``super()`` is
+    refused in one line (:meth:`OwnedStep._settle_step_owner`).
+    """
+
+    def setup(self, trainer: Trainer, pl_module: StepModule, stage: str) -> None:
+        compat.skip_nvml_check_without_nvml()  # the optimizer's per-step CUDA check, cheap where NVML is missing
+        hparams = pl_module.hparams
+        if hparams.get("float32_matmul_precision"):
+            torch.set_float32_matmul_precision(hparams.float32_matmul_precision)
+        if hparams.get("channels_last") and trainer.strategy.root_device.type == "cuda":
+            pl_module.net.to(memory_format=torch.channels_last)  # no-op on layers without 4-D weights
+            pl_module.inputs_channels_last = True
+        if hparams.get("compile"):
+            pl_module.compile_net()
+
+    def on_fit_start(self, trainer: Trainer, pl_module: StepModule) -> None:
+        """Refuse what this run cannot honour (before the sanity check and any compile); then, from here on, this
+        rank draws dropout masks (and the model's other random ops) from its own stream.
+
+        Every rank is seeded alike, so the weights start equal, and Lightning's DDP strategy re-applies
+        that seed at setup: left so, every rank would draw the same masks on different data. The
+        stream derives from that seed and the global rank (:func:`src.utils.seeding.rank_seed`). Only
+        the CPU and this rank's current GPU are reseeded: the dp strategy has already given each of
+        its other GPUs a stream of its own.
+        """
+        owned_step.refuse_capture_request(trainer, pl_module)
+        seed = rank_seed(torch.initial_seed(), pl_module.global_rank, "model")
+        torch.default_generator.manual_seed(seed)
+        torch.cuda.manual_seed(seed)  # the current device only (lazily, if CUDA is not initialised yet)
+
+    def on_train_start(self, trainer: Trainer, pl_module: StepModule) -> None:
+        owned_step.start_owned_fit(trainer, pl_module)  # whether the step is captured
+        if pl_module.best_of and trainer.ckpt_path is None:  # a resume restored it (ResumeMetricState)
+            getattr(pl_module, f"val_{pl_module.best_of}_best").reset()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: StepModule) -> None:
+        owned_step.step_plateau_schedulers(trainer, pl_module)  # before the epoch's checkpoint
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: StepModule) -> None:
+        """``val/<best_of>_best``: the best-so-far tracker, updated with this validation's value."""
+        if not pl_module.best_of or trainer.sanity_checking:
+            return
+        best = getattr(pl_module, f"val_{pl_module.best_of}_best")
+        best(getattr(pl_module, f"val_{pl_module.best_of}").compute())
+        # Identical on every rank (the tracked metric is already synced), so the mean is exact.
+        pl_module.log(f"val/{pl_module.best_of}_best", best.compute(), sync_dist=True, prog_bar=True)
+
+    def on_train_end(self, trainer: Trainer, pl_module: StepModule) -> None:
+        owned_step.end_owned_fit(trainer, pl_module)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: StepModule, checkpoint: dict[str, Any]) -> None:
+        owned_step.save_checkpoint(checkpoint)
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: StepModule, checkpoint: dict[str, Any]) -> None:
+        owned_step.load_checkpoint(trainer, pl_module, checkpoint)
+
+
 class StepModule(OwnedStep, compat.FastHookName, LightningModule):
     """Holds ``net``, builds the optimizer/scheduler from partial configs, and wires the steps.
 
     A subclass that sets ``best_of = "<name>"`` and a ``val_<name>_best`` tracker (``MaxMetric`` or
     ``MinMetric``) gets ``val/<name>_best`` logged after every validation epoch.
+
+    Subclassing (docs/subclassing.md): override any Lightning hook, with or without ``super()``: the module
+    overrides none that its machinery needs (that runs in :class:`StepMachinery`), but ``configure_callbacks``
+    must keep ``super()``'s. ``self.automatic_optimization = False`` hands the step to your own
+    ``training_step``; overriding ``training_step`` alone keeps Lightning's automatic optimization.
 
     Args:
         net: the network, an ``nn.Sequential`` of named blocks (the pipeline's split points).
@@ -65,6 +134,8 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
 
     best_of: str | None = None
     scheduler_monitor = "val/loss"  # what a ReduceLROnPlateau scheduler follows
+    machinery = StepMachinery
+    capture_safe = True  # forward and model_step may run inside a captured step (src/models/step_capture.py)
 
     def __init__(
         self,
@@ -118,11 +189,6 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         if metric.update_count == 1:
             self.log(name, metric, on_step=False, on_epoch=True, prog_bar=prog_bar)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        if not self.automatic_optimization:
-            return self.owned_training_step(batch, batch_idx)
-        return self.record_step("train", self.model_step(batch))
-
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.record_step("val", self.model_step(batch))
 
@@ -136,25 +202,6 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         """What ``src/predict.py`` writes for one batch of network output (here the output itself)."""
         return output
 
-    def on_fit_start(self) -> None:
-        """From here on, this rank draws dropout masks (and the model's other random ops) from its own stream.
-
-        Every rank is seeded alike, so the weights start equal, and Lightning's DDP strategy re-applies
-        that seed at setup: left so, every rank would draw the same masks on different data. The
-        stream derives from that seed and the global rank (:func:`src.utils.seeding.rank_seed`). Only
-        the CPU and this rank's current GPU are reseeded: the dp strategy has already given each of
-        its other GPUs a stream of its own.
-        """
-        super().on_fit_start()  # OwnedStep: an explicit capture request this run cannot honour is refused
-        seed = rank_seed(torch.initial_seed(), self.global_rank, "model")
-        torch.default_generator.manual_seed(seed)
-        torch.cuda.manual_seed(seed)  # the current device only (lazily, if CUDA is not initialised yet)
-
-    def on_train_start(self) -> None:
-        super().on_train_start()  # OwnedStep: whether the step is captured
-        if self.best_of and self.trainer.ckpt_path is None:  # a resume restored it (ResumeMetricState)
-            getattr(self, f"val_{self.best_of}_best").reset()
-
     def resumable_metrics(self, mid_epoch: bool) -> dict[str, Metric]:
         """The metrics whose running state a checkpoint keeps: the best-so-far tracker, and (``mid_epoch``) the
         training epoch's (:class:`src.checkpointing.resume_state.ResumeMetricState`). Validation and test metrics
@@ -164,23 +211,10 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
             names.append(f"val_{self.best_of}_best")
         return {n: getattr(self, n) for n in names}
 
-    def on_validation_epoch_end(self) -> None:
-        if not self.best_of or self.trainer.sanity_checking:
-            return
-        best = getattr(self, f"val_{self.best_of}_best")
-        best(getattr(self, f"val_{self.best_of}").compute())
-        # Identical on every rank (the tracked metric is already synced), so the mean is exact.
-        self.log(f"val/{self.best_of}_best", best.compute(), sync_dist=True, prog_bar=True)
-
-    def setup(self, stage: str) -> None:
-        compat.skip_nvml_check_without_nvml()  # the optimizer's per-step CUDA check, cheap where NVML is missing
-        if self.hparams.float32_matmul_precision:
-            torch.set_float32_matmul_precision(self.hparams.float32_matmul_precision)
-        if self.hparams.channels_last and self.trainer.strategy.root_device.type == "cuda":
-            self.net.to(memory_format=torch.channels_last)  # no-op on layers without 4-D weights
-            self.inputs_channels_last = True
-        if self.hparams.compile:
-            self.compile_net()
+    def configure_callbacks(self) -> list[Callback]:
+        """:class:`StepMachinery`, which runs this module's fit-time work; a subclass adds its own after it:
+        ``return [*super().configure_callbacks(), MyCallback()]``."""
+        return [StepMachinery()]
 
     def compile_net(self) -> None:
         """Compile ``net`` in place with ``nn.Module.compile``, once per module, for every stage.
@@ -201,6 +235,6 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
             return {"optimizer": optimizer}
         scheduler = self.scheduler_factory(optimizer=optimizer)
         config = {"scheduler": scheduler, "interval": "epoch", "frequency": 1}
-        if self.automatic_optimization:  # under manual optimization Lightning drops it: the owned step reads it
+        if self.automatic_optimization:  # also for the owned step (Lightning keeps it); not under a user's manual step
             config["monitor"] = self.scheduler_monitor
         return {"optimizer": optimizer, "lr_scheduler": config}
