@@ -355,6 +355,46 @@ def test_each_rank_holds_a_shard_of_ddp_bytes(runs, n, variant, shard, net):
         assert sharded + plain == whole, (kind, sharded, plain, whole)
 
 
+@pytest.mark.slow
+def test_a_gan_with_two_optimizers_and_manual_optimization_equals_ddp(tmp_path):
+    """Two root units (generator, discriminator), two Adams, manual optimization toggling each: after 8 steps on
+    2 ranks the weights equal DDP's within 1e-5, and the sharded last.ckpt holds both optimizers' state."""
+    common = ["~model", "+model._target_=tests.test_fsdp.GAN", "~data",
+              "+data._target_=lightning.pytorch.demos.boring_classes.BoringDataModule", "callbacks=none",
+              "optimized_metric=null", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_epochs=1",
+              "++trainer.limit_train_batches=8", "test=false", "extras.print_config=false"]
+    weights, said = {}, {}
+    for name, strategy in (("fsdp", ["trainer=fsdp"]), ("ddp", ["trainer=ddp", "trainer.strategy.find_unused_parameters=true"])):
+        run = tmp_path / name
+        proc = run_entry("train", *common, *strategy, f"+model.save_to={run}.pt", f"hydra.run.dir={run}",
+                         "+callbacks.last._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+                         "+callbacks.last.save_last=true", f"+callbacks.last.dirpath={run}/checkpoints", timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        weights[name], said[name] = torch.load(f"{run}.pt"), proc.stdout + proc.stderr
+    assert "trainer=fsdp: wrap=size: 2 units, roots generator, discriminator" in said["fsdp"]
+    for key, value in weights["ddp"].items():
+        torch.testing.assert_close(weights["fsdp"][key], value, rtol=0, atol=1e-5, msg=key)
+    saved = read_sharded(tmp_path / "fsdp" / "checkpoints" / "last.ckpt")
+    assert len(saved["optimizer_states"]) == 2 and saved["global_step"] == 16  # 8 steps of each optimizer
+    for key, value in weights["fsdp"].items():
+        assert torch.equal(saved["state_dict"][key], value), key
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_of_a_non_sequential_net_resumes(runs, tmp_path):
+    """The dense net's sharded last.ckpt (2 ranks) resumes on 2 ranks and trains on from the saved step."""
+    run = runs(2, *FSDP, *DENSE)[0]
+    proc = run_entry("train", "trainer=fsdp", "trainer.devices=2", "trainer.accelerator=cpu", *STEPS, *DENSE,
+                     "trainer.max_epochs=2", "test=false", f"ckpt_path={run['last']}", f"hydra.run.dir={tmp_path}",
+                     timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"Restored all states from the checkpoint at {run['last']}" in proc.stdout + proc.stderr
+    from src.checkpointing.io import load_checkpoint_file
+
+    resumed = load_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt")
+    assert resumed["global_step"] == 16
+
+
 # -- real processes: a checkpoint of 4 ranks, read by 2 and by 1 -------------------------------------------
 def load_on_ranks(rank: int, world_size: int, path: str) -> dict | None:
     """Shard a fresh MLP and Adam over ``world_size`` ranks, load ``path`` into them, gather them whole."""

@@ -22,19 +22,37 @@ FSDP = ["trainer=fsdp", "trainer.devices=2"]
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
-    (["model.net._target_=torch.nn.Identity"], "must be an nn.Sequential; ClassificationModule.net is Identity"),
+    (["model.net._target_=torch.nn.Identity"], "no submodule with parameters to shard in ClassificationModule"),
+    (["trainer.strategy.wrap=blocks", "model.net._target_=tests.test_fsdp.FCNet", "~model.net.in_channels",
+      "~model.net.image_size", "~model.net.hidden_sizes", "~model.net.num_classes", "~model.net.dropout",
+      "~model.net.batch_norm"], "wrap=blocks shards model.net by its named blocks, so it must be an nn.Sequential; "
+                                "ClassificationModule.net is FCNet"),
+    (["trainer.strategy.wrap=[torch.nn.Conv2d]"], "wrap names torch.nn.Conv2d, which no submodule of "
+                                                    "ClassificationModule is"),
     (["trainer.strategy.sharding_strategy=hybrid", "trainer.strategy.hybrid_shard_size=3"],
      "cannot split 2 processes into hybrid shard groups of 3"),
     (["trainer.precision=16-mixed"], "trainer.precision=16-mixed is not supported by trainer=fsdp"),
     (["trainer.strategy.cpu_offload=true"], "this run is on the CPU already"),
     (["data.batch_size=127"], "data.batch_size=127 is the global batch and must divide evenly across 2"),
-], ids=["no-blocks", "mesh-does-not-divide", "fp16", "offload-on-cpu", "global-batch"])
+], ids=["no-parameters", "blocks-of-no-sequential", "class-not-in-model", "mesh-does-not-divide", "fp16", "offload-on-cpu", "global-batch"])
 def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, overrides, says):
     proc = run_entry("train", *FSDP, *TINY_RUN, *overrides, f"hydra.run.dir={tmp_path}/run", timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     line = error_line(proc)
     assert says in line and ("; fix: " in line or "batch_size" in line), line  # the batch rule's line is older
     assert "Initializing distributed" not in proc.stdout + proc.stderr  # no rank was started
+
+
+def test_any_lightning_module_shards(tmp_path):
+    """Lightning's BoringModel and BoringDataModule (no `net` at all), as a user would run them: its one layer is a
+    root unit of the ``size`` policy, trained on 2 ranks."""
+    proc = run_entry("train", "~model", "+model._target_=lightning.pytorch.demos.boring_classes.BoringModel", "~data",
+                     "+data._target_=lightning.pytorch.demos.boring_classes.BoringDataModule", *FSDP,
+                     "callbacks=none", "optimized_metric=null", "trainer.max_epochs=1", "trainer.accelerator=cpu",
+                     "extras.print_config=false", f"hydra.run.dir={tmp_path}/run", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_no_error_line(proc.stderr)
+    assert "trainer=fsdp: wrap=size: 1 units, roots layer" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
