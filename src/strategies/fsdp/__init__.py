@@ -1,4 +1,4 @@
-"""``fsdp``: fully sharded data parallel (FSDP2) over ``model.net``'s named blocks."""
+"""``fsdp``: fully sharded data parallel (FSDP2) of any LightningModule, its units picked by a wrap policy."""
 
 from src.strategies.fsdp.strategy import FSDPStrategy
 
