@@ -10,6 +10,7 @@ every tensor the graph touches is still the one the run uses. The GPU twins are 
 from __future__ import annotations
 
 import csv
+import logging
 import re
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from lightning import Callback
 
 from src.models import step_capture
+from src.models.components.toy_net import ToyNet
 from src.models.regression_module import RegressionModule
 from src.train import train
 from tests.helpers.recorded_graph import RecordedGraph
@@ -167,6 +169,102 @@ def test_auto_captures_where_eligible_and_not_elsewhere(make_cfg, graphs):
     graphs.clear()
     fit(make_cfg, "clipped", "model=toy", "data=toy", "trainer.max_epochs=1", "+trainer.gradient_clip_val=1.0")
     assert not graphs
+
+
+# -- only networks known to be graph-safe are captured --------------------------------------------------------------
+
+
+class UndeclaredNet(ToyNet):
+    """ToyNet's layers, but a class of its own that has not declared itself graph-safe (declarations are not
+    inherited)."""
+
+
+class DeclaredNet(ToyNet):
+    capture_safe = True
+
+
+class HostSyncNet(ToyNet):
+    """Declared (wrongly): its forward reads a device value on the host, which fails inside a capture."""
+
+    capture_safe = True
+
+    def forward(self, x):
+        if bool(x.isfinite().all()):  # a host sync: fine eagerly, an error inside a CUDA capture (and the stand-in)
+            return super().forward(x)
+        raise ValueError("non-finite input")
+
+
+class OwnCriterion(RegressionModule):
+    """A loss of its own, which runs inside the captured step: not captured under auto unless declared."""
+
+    def criterion(self, output, target):
+        return torch.nn.functional.l1_loss(output, target)
+
+
+TOY = ["model=toy", "data=toy", "trainer.max_epochs=2"]
+
+
+def net(cls: type) -> str:
+    return f"model.net._target_=tests.test_step_capture.{cls.__name__}"
+
+
+def info_lines(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ([net(UndeclaredNet)], "model.net is UndeclaredNet, which does not declare capture_safe = True"),
+    (["model._target_=tests.test_step_capture.OwnCriterion"],
+     "OwnCriterion.criterion runs inside the captured step and OwnCriterion does not declare capture_safe = True"),
+], ids=["undeclared-net", "module-with-own-criterion"])
+def test_auto_keeps_code_not_known_to_be_graph_safe_eager_and_says_why(make_cfg, graphs, caplog, overrides, why):
+    with caplog.at_level(logging.INFO):
+        objects = fit(make_cfg, "auto", *TOY, *overrides)
+    assert not graphs and objects["model"].step_capture_counts == (0, 0)
+    lines = info_lines(caplog, "the owned training step runs eagerly")
+    assert len(lines) == 1 and why in lines[0] and "docs/subclassing.md" in lines[0], lines
+
+
+def test_an_explicit_capture_request_on_an_undeclared_net_is_one_line(make_cfg, graphs, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train(make_cfg("train", ["test=false", *TOY, net(UndeclaredNet), "model.step_capture=true"]))
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exit_info.value.code == 2 and len(errors) == 1 and not graphs
+    assert re.match("error: model.step_capture=true cannot capture this run: model.net is UndeclaredNet, which does "
+                    "not declare capture_safe = True.*; fix: ", errors[0]), errors
+
+
+def test_a_declared_net_is_captured_and_equals_the_eager_step(make_cfg, graphs):
+    captured = fit(make_cfg, "captured", *TOY, net(DeclaredNet))
+    eager = fit(make_cfg, "eager", *TOY, net(DeclaredNet), "model.step_capture=false")
+    assert len(graphs) == 1 and graphs[0].replays == captured["trainer"].global_step - step_capture.WARMUP_STEPS
+    assert captured["model"].step_capture_counts == (1, graphs[0].replays)
+    assert_same_training(captured, eager)
+
+
+def test_a_capture_that_fails_falls_back_to_the_eager_step_with_one_warning(make_cfg, graphs, caplog):
+    """The capture raises (a host sync in forward): one warning, the failed step runs eagerly once, the fit finishes,
+    and every number equals a run that never tried to capture."""
+    with caplog.at_level(logging.INFO):
+        fallen_back = fit(make_cfg, "fallback", *TOY, net(HostSyncNet))
+    eager = fit(make_cfg, "eager", *TOY, net(HostSyncNet), "model.step_capture=false")
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "could not be captured" in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0].getMessage(), [r.getMessage() for r in warnings]
+    assert "reads a device value on the host" in warnings[0].getMessage()
+    assert len(graphs) == 1 and graphs[0].replays == 0  # tried once, never replayed
+    assert fallen_back["model"].step_capture_counts == (0, 0)
+    assert_same_training(fallen_back, eager)  # weights, optimizer state, learning rates, step count, logged rows
+    assert all(isinstance(g["lr"], float) for g in fallen_back["trainer"].optimizers[0].param_groups)
+
+
+def test_a_capture_that_fails_with_a_step_scheduler_falls_back_exactly(make_cfg, graphs):
+    """With a step-interval scheduler the capture first moves the learning rates onto the device: the fallback puts
+    them back as floats, and the eager numbers follow."""
+    case = [*TOY, net(HostSyncNet), SCHEDULE_PER_STEP, STEP_LR.replace("step_size:1,gamma:0.5", "step_size:5,gamma:0.9")]
+    fallen_back = fit(make_cfg, "fallback", *case)
+    eager = fit(make_cfg, "eager", *case, "model.step_capture=false")
+    assert len(graphs) == 1 and graphs[0].replays == 0
+    assert_same_training(fallen_back, eager)
 
 
 # -- on a GPU: the real CUDA graph ----------------------------------------------------------------------------

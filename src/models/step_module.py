@@ -40,6 +40,20 @@ class StepOutput(TypedDict):
     target: Tensor
 
 
+def prepare(module: StepModule, device_type: str) -> None:
+    """What every stage's setup does to the module (each step idempotent: the callback and the module's own
+    ``setup`` both call it, so a subclass's ``setup`` may skip ``super()``)."""
+    compat.skip_nvml_check_without_nvml()  # the optimizer's per-step CUDA check, cheap where NVML is missing
+    hparams = module.hparams
+    if hparams.get("float32_matmul_precision"):
+        torch.set_float32_matmul_precision(hparams.float32_matmul_precision)
+    if hparams.get("channels_last") and device_type == "cuda" and not module.inputs_channels_last:
+        module.net.to(memory_format=torch.channels_last)  # no-op on layers without 4-D weights
+        module.inputs_channels_last = True
+    if hparams.get("compile"):
+        module.compile_net()
+
+
 class StepMachinery(Callback):
     """The fit-time work of a :class:`StepModule`, in a callback the module contributes (``configure_callbacks``).
 
@@ -51,15 +65,7 @@ class StepMachinery(Callback):
     """
 
     def setup(self, trainer: Trainer, pl_module: StepModule, stage: str) -> None:
-        compat.skip_nvml_check_without_nvml()  # the optimizer's per-step CUDA check, cheap where NVML is missing
-        hparams = pl_module.hparams
-        if hparams.get("float32_matmul_precision"):
-            torch.set_float32_matmul_precision(hparams.float32_matmul_precision)
-        if hparams.get("channels_last") and trainer.strategy.root_device.type == "cuda":
-            pl_module.net.to(memory_format=torch.channels_last)  # no-op on layers without 4-D weights
-            pl_module.inputs_channels_last = True
-        if hparams.get("compile"):
-            pl_module.compile_net()
+        prepare(pl_module, trainer.strategy.root_device.type)
 
     def on_fit_start(self, trainer: Trainer, pl_module: StepModule) -> None:
         """Refuse what this run cannot honour (before the sanity check and any compile); then, from here on, this
@@ -210,6 +216,10 @@ class StepModule(OwnedStep, compat.FastHookName, LightningModule):
         if self.best_of:
             names.append(f"val_{self.best_of}_best")
         return {n: getattr(self, n) for n in names}
+
+    def setup(self, stage: str) -> None:
+        """:func:`prepare` (done already by :class:`StepMachinery` in a fit; kept for callers without a Trainer)."""
+        prepare(self, self.trainer.strategy.root_device.type if self._trainer is not None else "cpu")
 
     def configure_callbacks(self) -> list[Callback]:
         """:class:`StepMachinery`, which runs this module's fit-time work; a subclass adds its own after it:
