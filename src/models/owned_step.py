@@ -5,7 +5,7 @@ With manual optimization (Lightning's public API) the module runs the same opera
 (zero_grad, backward, the optimizer step through Lightning's precision plugin, then the step-interval
 schedulers), so the numbers are the same bit for bit, with less work per step. Epoch-interval schedulers
 step where Lightning steps them: after the epoch's last batch. A ReduceLROnPlateau scheduler steps on the
-epoch's validation metric in ``on_train_epoch_end``, in both modes: before the epoch's ``last.ckpt``, so a
+epoch's validation metric at the training epoch's end (:func:`step_plateau_schedulers`), in both modes: before the epoch's ``last.ckpt``, so a
 resume from it continues with the stepped scheduler (Lightning's loop steps it after that save, and does
 not step it again on resume).
 
@@ -210,7 +210,7 @@ class OwnedStep:
 
     def _step_schedulers(self, batch_idx: int) -> None:
         """Step-interval schedulers after every step, epoch-interval ones after the epoch's last step (before its
-        validation), as Lightning's loop does; ReduceLROnPlateau waits for the validation (``on_train_epoch_end``)."""
+        validation), as Lightning's loop does; ReduceLROnPlateau waits for the validation (:func:`step_plateau_schedulers`)."""
         for config in self.trainer.lr_scheduler_configs:
             if isinstance(config.scheduler, ReduceLROnPlateau):
                 if config.interval == "step":
