@@ -56,7 +56,7 @@ def export(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     check_export_config(cfg)
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-    check_checkpoint(cfg.ckpt_path, model)
+    check_checkpoint(cfg.ckpt_path, model, cfg)
     model.load_state_dict(load_checkpoint_file(Path(cfg.ckpt_path))["state_dict"])
     model.eval()
     ckpt = Path(cfg.ckpt_path)

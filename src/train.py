@@ -67,7 +67,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         log.info(f"Instantiating model <{cfg.model._target_}>")
         model: L.LightningModule = hydra.utils.instantiate(cfg.model)
         if ckpt_path:
-            check_checkpoint(ckpt_path, model)
+            check_checkpoint(ckpt_path, model, cfg)
         loggers = instantiate_loggers(cfg.get("logger"))
         callbacks = drop_callbacks_needing_a_logger(instantiate_callbacks(cfg.get("callbacks")), loggers)
         if cfg.get("train"):  # resume and stop signals never depend on what `callbacks` holds

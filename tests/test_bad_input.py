@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from src.data.mnist_datamodule import FashionMNISTDataModule, MNISTDataModule
 from src.utils.errors import CheckpointError, ConfigError, DataError, print_error
@@ -191,7 +192,7 @@ def test_unreadable_checkpoint(tmp_path, make_cfg):
     junk.write_bytes(b"not a checkpoint")
     model = torch.nn.Linear(2, 2)
     with pytest.raises(CheckpointError, match="cannot read checkpoint"):
-        check_checkpoint(junk, model)
+        check_checkpoint(junk, model, OmegaConf.create({}))
 
 
 def test_checkpoint_from_another_model(make_cfg, tmp_path):
@@ -574,9 +575,9 @@ def test_checkpoint_messages_never_advise_unsafe_loading(tmp_path):
         {"state_dict": {}, "hook": print}, path
     )  # a pickled global: torch's message says weights_only=False
     with pytest.raises(CheckpointError) as err:
-        check_checkpoint(path, torch.nn.Linear(2, 2))
+        check_checkpoint(path, torch.nn.Linear(2, 2), OmegaConf.create({}))
     assert "weights_only" not in str(err.value) and "\n" not in str(err.value)
-    assert "Python objects other than weights" in str(err.value)
+    assert "Python objects other than tensors" in str(err.value) and "trust_checkpoint=true" in str(err.value)
 
 
 @pytest.mark.fast

@@ -189,7 +189,7 @@ def test_load_refuses_a_checkpoint_that_runs_code(tmp_path):
 
     evil = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {}, "evil": _WritesMarker(marker)}, evil)
-    with pytest.raises(CheckpointError, match=r"evil\.ckpt holds objects other than tensors .*; fix: "):
+    with pytest.raises(CheckpointError, match=r"evil\.ckpt holds Python objects other than tensors .*; fix: .*trust_checkpoint=true"):
         AtomicCheckpointIO().load_checkpoint(evil)
     assert not marker.exists()
 

@@ -13,9 +13,10 @@ A save that runs out of space (ENOSPC, or a quota: EDQUOT) raises :class:`DiskFu
 the file, the bytes it needs and the bytes free, instead of torch's ``RuntimeError: [enforce fail at
 inline_container.cc] ... unexpected pos``; the temp file is removed and the last good checkpoint stays.
 
-Loads pass ``weights_only=True`` to ``torch.load`` unless the caller explicitly passes ``False``: a
-checkpoint holds tensors and plain values (the models keep their hyper-parameters plain for this),
-so a crafted file can run no code while it is read.
+Loads pass ``weights_only=True`` to ``torch.load`` unless the caller explicitly passes ``False``, or the
+run trusts that file (``trust_checkpoint=true``, :func:`trust`): a checkpoint this project wrote holds tensors
+and plain values (its hyper-parameters are made plain before the save: :mod:`src.checkpointing.plain`), so a
+crafted file can run no code while it is read.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
+from src.checkpointing.plain import plain_hyperparameters
 from src.utils import lightning_compat as compat
 from src.utils.errors import CheckpointError
 
@@ -129,6 +131,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
     ) -> None:
+        checkpoint = plain_hyperparameters(checkpoint)  # so the file loads back with weights_only=True
         if storage_options is not None or not _is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options)  # raises on storage_options
             return
@@ -162,10 +165,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         Only an explicit ``weights_only=False`` (``trainer.fit(..., weights_only=False)``, for a file you
         trust) unpickles arbitrary objects. Local files go through :func:`load_checkpoint_file`.
         """
-        weights_only = weights_only is not False
+        weights_only = weights_only is not False and not trusted(path)
         if not _is_local(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         return load_checkpoint_file(str(path).removeprefix("file://"), map_location, weights_only)
+
+
+_TRUSTED: set[str] = set()
+
+
+def _key(path: _PATH) -> str:
+    text = str(path).removeprefix("file://")
+    return text if "://" in text else os.path.realpath(text)
+
+
+def trust(path: _PATH) -> None:
+    """Let this process unpickle any object in ``path`` (``trust_checkpoint=true``): for a file you trust."""
+    _TRUSTED.add(_key(path))
+
+
+def trusted(path: _PATH) -> bool:
+    return _key(path) in _TRUSTED
 
 
 class DiskFullError(CheckpointError):
@@ -286,15 +306,16 @@ def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: b
             f"checkpoint {path} is empty (0 bytes; its save was cut short); fix: use another "
             f"checkpoint, e.g. an epoch_*.ckpt beside it, or train again"
         )
+    weights_only = weights_only and not trusted(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         detail = _unpickling_detail(str(err))
         if detail.startswith("Unsupported global"):
             raise CheckpointError(
-                f"{path} holds objects other than tensors and plain values, so it was not loaded: Python "
-                f"objects other than weights ({detail}); fix: use a checkpoint saved by this project, whose "
-                "files load as plain weights"
+                f"{path} holds Python objects other than tensors and plain values ({detail}), and loading them "
+                "could run code, so it was not loaded (this project's own checkpoints hold none); fix: if you "
+                "trust the file, pass trust_checkpoint=true"
             ) from None
         raise CheckpointError(
             f"cannot read checkpoint {path}: the file is corrupt or not a PyTorch checkpoint "

@@ -44,6 +44,7 @@ from src.checkpointing.io import (
     temp_prefix,
 )
 from src.checkpointing.optimizer_state import indexed_optimizer_state
+from src.checkpointing.plain import plain_hyperparameters
 from src.data.components.safe_unpickle import RefusedGlobal, RestrictedUnpickler
 from src.utils import lightning_compat as compat
 from src.utils.errors import CheckpointError
@@ -178,7 +179,7 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], path: str | os.P
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
     if is_global_zero:  # dcp.save returns on rank 0 once every rank's files and the index are written
         with open(tmp / META_FILE, "wb") as f:
-            torch.save(meta, f)
+            torch.save(plain_hyperparameters(meta), f)  # loads back with weights_only=True
             f.flush()
             os.fsync(f.fileno())
         replace(tmp, path)

@@ -37,19 +37,26 @@ def checkpoint_model(cfg: DictConfig) -> tuple:
         L.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     model = hydra.utils.instantiate(cfg.model)
-    check_checkpoint(cfg.ckpt_path, model)
+    check_checkpoint(cfg.ckpt_path, model, cfg)
     return datamodule, model
 
 
-def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module) -> None:
-    """Fail early, in one line, when ``ckpt_path`` is missing, unreadable or from another model (a file, or a
-    sharded folder).
+def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module, cfg: DictConfig) -> None:
+    """Fail early, in one line, when ``ckpt_path`` is missing, unreadable, from another model (a file, or a
+    sharded folder), or stores a config naming code this run's config does not.
 
     Lightning would only find out after launching processes and building the trainer,
-    and a size mismatch surfaces there as a long ``load_state_dict`` traceback.
+    and a size mismatch surfaces there as a long ``load_state_dict`` traceback. ``trust_checkpoint=true``
+    lets this process unpickle any object in the file, and skips the stored-config check.
     """
+    from src.checkpointing.io import trust, trusted
+
     path = Path(ckpt_path)
-    saved = saved_weight_shapes(path)
+    if cfg.get("trust_checkpoint"):
+        trust(path)
+    saved, settings = saved_weight_shapes(path)
+    if not trusted(path):
+        refuse_foreign_targets(path, settings, cfg)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
@@ -69,22 +76,53 @@ def check_checkpoint(ckpt_path: str | os.PathLike, model: nn.Module) -> None:
         )
 
 
-def saved_weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """``{key: shape}`` of a checkpoint's weights: a file's ``state_dict``, or a sharded folder's index alone."""
+def saved_weight_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Any]]:
+    """``{key: shape}`` of a checkpoint's weights (a file's ``state_dict``, or a sharded folder's index alone),
+    and its hyper-parameter entries."""
     # imported here: they load Lightning, and Hydra's callbacks import this module before the job starts
     from src.checkpointing.io import load_checkpoint_file
+    from src.checkpointing.plain import HYPER_PARAMETER_KEYS
     from src.checkpointing.sharded import is_sharded_checkpoint, read_meta, saved_shapes
 
     if is_sharded_checkpoint(path):
-        read_meta(path)  # the folder's other half: a clear error now if it is missing
-        return saved_shapes(path)
+        meta = read_meta(path)  # the folder's other half: a clear error now if it is missing
+        return saved_shapes(path), {k: meta[k] for k in HYPER_PARAMETER_KEYS if k in meta}
     state = load_checkpoint_file(path)
     if not isinstance(state, dict) or "state_dict" not in state:
         raise CheckpointError(
             f"{path} is not a Lightning checkpoint (no 'state_dict' entry); fix: pass a .ckpt file saved by "
             "Lightning (checkpoints/last.ckpt or epoch_*.ckpt of a run)"
         )
-    return {k: tuple(v.shape) for k, v in state["state_dict"].items()}
+    shapes = {k: tuple(v.shape) for k, v in state["state_dict"].items()}
+    return shapes, {k: state[k] for k in HYPER_PARAMETER_KEYS if k in state}
+
+
+def refuse_foreign_targets(path: Path, settings: dict[str, Any], cfg: DictConfig) -> None:
+    """Refuse a checkpoint whose stored hyper-parameters name a ``_target_`` that this run's own config does not.
+
+    No entry point builds anything from a checkpoint's stored config, but a module that instantiates its own
+    hyper-parameters would: a stored ``_target_: os.system`` must not reach it. A checkpoint of this run's
+    model names only what its config names.
+    """
+    from src.checkpointing.plain import stored_targets
+
+    ours = set(_config_targets(OmegaConf.to_container(cfg, resolve=False)))
+    for where, target in stored_targets(settings):
+        if target not in ours:
+            raise CheckpointError(
+                f"{path} stores a config that names _target_={target!r} (at {where}), which this run's config "
+                "does not name, so it was not loaded; fix: pass the model and data config it was trained with, "
+                "or trust_checkpoint=true if you trust the file"
+            )
+
+
+def _config_targets(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        found = [node["_target_"]] if isinstance(node.get("_target_"), str) else []
+        return found + [t for k, v in node.items() if k != "hydra" for t in _config_targets(v)]
+    if isinstance(node, list):
+        return [t for v in node for t in _config_targets(v)]
+    return []
 
 
 def saved_data_settings(path: str | os.PathLike) -> dict[str, Any] | None:
