@@ -27,6 +27,7 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
+from src.callbacks.monitored_metric import drop_callbacks_without_a_metric
 from src.checkpointing.last_checkpoint import best_checkpoint, run_position
 from src.checkpointing.required import with_resume_callbacks
 from src.checkpointing.start import check_checkpoint, resume_checkpoint
@@ -70,6 +71,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
             check_checkpoint(ckpt_path, model, cfg)
         loggers = instantiate_loggers(cfg.get("logger"))
         callbacks = drop_callbacks_needing_a_logger(instantiate_callbacks(cfg.get("callbacks")), loggers)
+        callbacks = drop_callbacks_without_a_metric(callbacks, cfg.get("optimized_metric"))
         if cfg.get("train"):  # resume and stop signals never depend on what `callbacks` holds
             callbacks = with_resume_callbacks(callbacks, cfg.paths.output_dir, cfg.last_ckpt_every_n_train_steps)
         log.info(f"Instantiating trainer <{cfg.trainer._target_}>")

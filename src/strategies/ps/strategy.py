@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from src.callbacks.monitored_metric import MonitoredMetricCheck
 from src.checkpointing.io import AtomicCheckpointIODefault
 from src.runtime.exit_cleanup import destroy_default_group_at_exit, release_before_destroy
 from src.runtime.local_store import local_store_path
@@ -348,7 +349,8 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
         """Only the chief validates, checkpoints and stops early; a worker trains until a server says DONE."""
         if self.is_chief:
             return
-        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, Checkpoint | EarlyStopping)]
+        chief_only = Checkpoint | EarlyStopping | MonitoredMetricCheck
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, chief_only)]
         trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = 0, None
         if not self.is_server:
             trainer.fit_loop.max_epochs, trainer.fit_loop.epoch_loop.max_steps = -1, -1
