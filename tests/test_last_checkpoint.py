@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 
 from src.checkpointing.last_checkpoint import LastCheckpoint
+from src.data.components.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
 from src.train import train
 
 pytestmark = pytest.mark.fast  # in-process toy fits, about a second each
@@ -87,11 +88,16 @@ class _Tiny(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    def _loader(self) -> DataLoader:
+    def _data(self) -> TensorDataset:
         g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(16, 2, generator=g), torch.randn(16, 1, generator=g)), batch_size=2)
+        return TensorDataset(torch.randn(16, 2, generator=g), torch.randn(16, 1, generator=g))
 
-    train_dataloader = val_dataloader = _loader
+    def train_dataloader(self) -> DataLoader:  # keeps its position: last.ckpt is saved mid-epoch too
+        data = self._data()
+        return ResumableDataLoader(data, batch_size=2, sampler=GlobalBatchShuffle(data, seed=0, global_batch=2))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._data(), batch_size=2)
 
 
 class _Validations(Callback):

@@ -9,6 +9,12 @@ and the validation due after it (a resume from there would skip that validation)
 validation's end, and on an epoch's last batch for the epoch's end. The epoch's training row reaches the
 loggers before the epoch's save (:func:`src.utils.lightning_compat.log_training_epoch_now`). A one-process
 stop signal noted at such a batch waits the same way (:meth:`LastCheckpoint.stop_at_next_save_point`).
+
+A training loader that cannot resume mid-epoch (a plain ``DataLoader``: no ``state_dict``/``load_state_dict``)
+would replay the epoch's first batches after a mid-epoch resume and never reach its last ones. With such a
+loader ``last.ckpt`` is written at epoch ends only (and when ``fit`` ends), and a stop signal keeps the last
+one: a resume starts again from the start of the epoch it stopped in, with that epoch's shuffle, said in one
+line at the fit's start. The project's loaders and torchdata's ``StatefulDataLoader`` resume mid-epoch.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from src.checkpointing.loader_position import position_blocker
 from src.run.status import CHECKPOINT_DIR
 from src.utils import lightning_compat as compat
 from src.utils.pylogger import RankedLogger
@@ -46,6 +53,7 @@ class LastCheckpoint(ModelCheckpoint):
         self._stop_waited = False  # ... which it has waited for since an earlier batch
         self._stopping_under: list | None = None  # saved while should_stop was set: the fit's limits then
         self._resumed_stopping_under: list | None = None
+        self.mid_epoch = True  # this fit's training loader resumes mid-epoch (set at its start)
 
     @property
     def path(self) -> Path:
@@ -77,6 +85,12 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._saved_step = trainer.global_step  # a resumed fit holds that step already
+        blocker = position_blocker(trainer)
+        self.mid_epoch = blocker is None
+        if blocker is not None:
+            log.info(f"{blocker} cannot resume mid-epoch, so last.ckpt is written at epoch ends only: a resume "
+                     "starts again from the start of the epoch it stopped in; fix (to resume mid-epoch): return a "
+                     "torchdata StatefulDataLoader from train_dataloader")
         # Saved while early stopping, pruning or a limit was stopping the fit: Lightning does not keep should_stop,
         # so a resume from there (a stop signal's, or a kill's before the run was marked finished) trained on.
         if self._resumed_stopping_under is not None and self._resumed_stopping_under == _limits(trainer):
@@ -95,6 +109,7 @@ class LastCheckpoint(ModelCheckpoint):
             self._stop_waited = True
         # also a save that waited for a validation which did not run (an empty validation set): made one step late
         due = self._after_validation or (self.every_n_steps and trainer.global_step % self.every_n_steps == 0)
+        due = due and self.mid_epoch
         self._after_validation = False
         if not due:
             return
@@ -122,6 +137,10 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or self._is_last_batch(trainer):  # an epoch's last validation: its end saves
+            return
+        if not self.mid_epoch:  # a validation within the epoch: no save here, and a stop waits for nothing
+            if self._stop is not None:
+                self._make_stop(trainer)
             return
         if self._after_validation or self._stop is not None:  # the save, or the stop, that waited for it
             self._after_validation = False
@@ -169,6 +188,11 @@ class LastCheckpoint(ModelCheckpoint):
     @staticmethod
     def _is_last_batch(trainer: L.Trainer) -> bool:
         return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
+
+def saves_mid_epoch(trainer: L.Trainer) -> bool:
+    """Whether a stop mid-epoch may save ``last.ckpt`` there: its training loader resumes mid-epoch."""
+    return all(cb.mid_epoch for cb in trainer.callbacks if isinstance(cb, LastCheckpoint))
 
 
 def _limits(trainer: L.Trainer) -> list:

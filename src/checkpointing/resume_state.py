@@ -17,8 +17,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_mean, dim_zero_min
 
+from src.checkpointing.loader_position import keeps_position, train_loaders
 from src.strategies.global_batch import data_replica
 from src.utils import lightning_compat as compat
 from src.utils.hooks import RandomStatePerRank, ResumableMetrics
@@ -94,10 +96,33 @@ class ResumeRandomState(Callback):
         else:
             self._pending = states[trainer.global_rank]
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    @property
+    def restores_random_state(self) -> bool:
+        """This fit puts back each rank's saved random streams (a module need not seed its own then)."""
+        return self._pending is not None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Restored early too, for a plain ``DataLoader``: it draws its shuffle and worker seeds from the global
+        stream when its iterator is made, before ``on_train_start`` in a resumed fit and at the epoch's start in
+        an uninterrupted one (nothing draws between that restore and that iterator)."""
         if self._pending is not None:
             restore_random_state(trainer, self._pending)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._pending is not None:
+            if not draws_seeds_at_epoch_start(trainer):
+                restore_random_state(trainer, self._pending)
             self._pending = None
+
+
+def draws_seeds_at_epoch_start(trainer: L.Trainer) -> bool:
+    """Whether this fit, resumed at an epoch's end, has a training loader that drew its seeds from the global
+    stream when its iterator was made (a ``DataLoader`` without a generator or a position of its own)."""
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+    if 0 < done < trainer.num_training_batches:  # resumed mid-epoch: only loaders that keep their position do
+        return False
+    return any(isinstance(loader, DataLoader) and loader.generator is None and not keeps_position(loader)
+               for loader in train_loaders(trainer))
 
 
 def replays_per_rank(trainer: L.Trainer) -> bool:

@@ -78,6 +78,8 @@ class StepMachinery(Callback):
         its other GPUs a stream of its own.
         """
         owned_step.refuse_capture_request(trainer, pl_module)
+        if any(getattr(cb, "restores_random_state", False) for cb in trainer.callbacks):
+            return  # a resume puts back the streams this fit stopped with (ResumeRandomState)
         seed = rank_seed(torch.initial_seed(), pl_module.global_rank, "model")
         torch.default_generator.manual_seed(seed)
         torch.cuda.manual_seed(seed)  # the current device only (lazily, if CUDA is not initialised yet)

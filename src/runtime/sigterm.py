@@ -44,7 +44,7 @@ import torch.distributed as dist
 from lightning import Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from src.checkpointing.last_checkpoint import last_checkpoint_path, run_position
+from src.checkpointing.last_checkpoint import last_checkpoint_path, run_position, saves_mid_epoch
 from src.runtime.launch_context import launch_context
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
@@ -106,9 +106,12 @@ def stop_for_preemption(trainer: Trainer, signum: int) -> NoReturn:
     name = signal.Signals(signum).name
     where = run_position(trainer)
     path = last_checkpoint_path(trainer)
-    trainer.save_checkpoint(path, weights_only=False)  # every rank takes part, global rank 0 writes
-    log.info(f"{name}: every rank stopped at {where}; saved {path}. Re-run the same command to resume.",
-             rank=None)
+    if saves_mid_epoch(trainer) or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        trainer.save_checkpoint(path, weights_only=False)  # every rank takes part, global rank 0 writes
+        saved = f"saved {path}"
+    else:
+        saved = f"kept {path} of the last epoch's end (the training loader cannot resume mid-epoch)"
+    log.info(f"{name}: every rank stopped at {where}; {saved}. Re-run the same command to resume.", rank=None)
     requeued = False
     if signum in _launcher_handlers:
         requeued = hand_over_to_launcher(signum)
