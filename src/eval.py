@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from src.checkpointing.start import checkpoint_model, require_ckpt_path
 from src.runtime.hydra_launch import isolated_job
 from src.strategies.launchers import preflight
-from src.utils.config_checks import check_config
+from src.utils.config_checks import check_config, require_step
 from src.utils.hydra_errors import hydra_main
 from src.utils.instantiators import instantiate_callbacks, instantiate_loggers
 from src.utils.logging_utils import log_hyperparameters
@@ -45,6 +45,8 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     check_config(cfg)
     with lightning_lines_held():  # a refusal below is one line on stderr, without Lightning's start-up lines
         datamodule, model = checkpoint_model(cfg)
+        require_step(model, "test_step", "eval.py", "define test_step (it logs the test metrics), or predict with "
+                     "src/predict.py")
         trainer: L.Trainer = hydra.utils.instantiate(
             cfg.trainer,
             callbacks=instantiate_callbacks(cfg.get("callbacks")),

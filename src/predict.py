@@ -30,8 +30,9 @@ from omegaconf import DictConfig
 
 from src.callbacks.prediction_writer import PredictionWriter
 from src.checkpointing.start import checkpoint_model, require_ckpt_path
-from src.data.predict_datamodule import PredictDataModule
-from src.data.predict_inputs import load_inputs
+from src.data.in_memory_datamodule import InMemoryDataModule
+from src.data.predict_datamodule import PredictDataModule, SplitPredictDataModule
+from src.data.predict_inputs import load_inputs, predict_on_inputs, split_inputs
 from src.run.status import PREDICTIONS_FILE
 from src.runtime.hydra_launch import isolated_job
 from src.strategies.launchers import preflight
@@ -52,7 +53,13 @@ def predict(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     with lightning_lines_held():  # a refusal below is one line on stderr, without Lightning's start-up lines
         datamodule, model = checkpoint_model(cfg)
         # bad input: one line, before anything is written
-        inputs = load_inputs(str(cfg.input), datamodule, str(cfg.ckpt_path))
+        if isinstance(datamodule, InMemoryDataModule):
+            inputs = load_inputs(str(cfg.input), datamodule, str(cfg.ckpt_path))
+            source = PredictDataModule(datamodule, inputs.dataset)
+        else:  # a data module of the user's: its own test or predict loader
+            inputs = split_inputs(str(cfg.input), datamodule)
+            source = SplitPredictDataModule(datamodule, str(cfg.input))
+            predict_on_inputs(model)
         writer = PredictionWriter(Path(cfg.paths.output_dir) / PREDICTIONS_FILE, inputs.sources,
                                   classification=getattr(model, "task", None) == "classification")
         trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=[writer], logger=False)
@@ -63,8 +70,7 @@ def predict(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         preflight(trainer, model, datamodule)
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "trainer": trainer, "writer": writer}
     log.info(f"Predicting {len(inputs.sources)} inputs ({cfg.input}) with {cfg.ckpt_path}")
-    trainer.predict(model, datamodule=PredictDataModule(datamodule, inputs.dataset), ckpt_path=cfg.ckpt_path,
-                    return_predictions=False)
+    trainer.predict(model, datamodule=source, ckpt_path=cfg.ckpt_path, return_predictions=False)
     return ({} if writer.accuracy is None else {"predict/acc": writer.accuracy}), objects
 
 

@@ -34,7 +34,7 @@ from src.checkpointing.start import check_checkpoint, resume_checkpoint
 from src.run.status import completed_task, run_status, task_overrides
 from src.runtime.hydra_launch import isolated_job
 from src.strategies.launchers import preflight
-from src.utils.config_checks import check_config
+from src.utils.config_checks import check_config, require_step
 from src.utils.hydra_errors import hydra_main
 from src.utils.instantiators import (
     drop_callbacks_needing_a_logger,
@@ -67,6 +67,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
         log.info(f"Instantiating model <{cfg.model._target_}>")
         model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+        if cfg.get("test"):
+            require_step(model, "test_step", "train.py (test=true)", "test=false, or define test_step")
         if ckpt_path:
             check_checkpoint(ckpt_path, model, cfg)
         loggers = instantiate_loggers(cfg.get("logger"))

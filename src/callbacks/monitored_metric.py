@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from src.utils.errors import ConfigError
 from src.utils.pylogger import RankedLogger
@@ -39,7 +40,7 @@ class MonitoredMetricCheck(Callback):
             self.check(trainer, pl_module, "the first validation")
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.from_training:
+        if self.from_training or not is_overridden("validation_step", pl_module):  # no validation to wait for
             self.check(trainer, pl_module, "the first training epoch")
 
     def check(self, trainer: Trainer, pl_module: LightningModule, where: str) -> None:

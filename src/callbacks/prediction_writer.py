@@ -22,6 +22,14 @@ from src.utils.pylogger import RankedLogger
 log = RankedLogger(__name__)
 
 
+def first_of_each(index: torch.Tensor) -> torch.Tensor:
+    """Positions that put ``index`` in ascending order, keeping each value's first occurrence only."""
+    order = index.argsort(stable=True)
+    keep = torch.ones(len(order), dtype=torch.bool)
+    keep[1:] = index[order][1:] != index[order][:-1]
+    return order[keep]
+
+
 class PredictionWriter(BasePredictionWriter):
     """``classification``: columns ``source, predicted, label, p_0 .. p_{K-1}``; otherwise ``source, label,
     out_0 ..``. ``accuracy`` holds the share of correct predictions when every input has a label."""
@@ -34,7 +42,10 @@ class PredictionWriter(BasePredictionWriter):
 
     def write_on_batch_end(self, trainer: Trainer, pl_module: LightningModule, prediction: Any, batch_indices: Any,
                            batch: Any, batch_idx: int, dataloader_idx: int) -> None:
-        self.rows.append((torch.as_tensor(batch_indices), prediction.float().cpu(), batch[1].cpu()))
+        labels = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
+        if not (isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) == len(prediction)):
+            labels = torch.full((len(prediction),), NO_LABEL, dtype=torch.long)  # unlabelled inputs
+        self.rows.append((torch.as_tensor(batch_indices), prediction.float().cpu(), labels.cpu()))
 
     def on_predict_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         shard = self.path.with_name(f"{self.path.stem}.rank{trainer.global_rank}.pt")
@@ -49,7 +60,7 @@ class PredictionWriter(BasePredictionWriter):
         for shard in shards:
             shard.unlink()
         index = torch.cat([p[0] for p in parts])
-        order = index.argsort()
+        order = first_of_each(index)  # Lightning's sampler pads a user's loader under DDP: an input twice
         outputs, labels = torch.cat([p[1] for p in parts])[order], torch.cat([p[2] for p in parts])[order]
         assert torch.equal(index[order], torch.arange(len(self.sources))), "every input predicted exactly once"
         width = outputs.shape[1] if outputs.dim() > 1 else 1

@@ -311,7 +311,7 @@ def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: b
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         detail = _unpickling_detail(str(err))
-        if detail.startswith("Unsupported global"):
+        if detail.lower().startswith(("unsupported global", "trying to load unsupported global")):
             raise CheckpointError(
                 f"{path} holds Python objects other than tensors and plain values ({detail}), and loading them "
                 "could run code, so it was not loaded (this project's own checkpoints hold none); fix: if you "
@@ -332,7 +332,9 @@ def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: b
 def _unpickling_detail(message: str) -> str:
     """The reason inside torch's weights-only unpickling message, without its advice."""
     _, found, after = message.partition("WeightsUnpickler error:")
-    return _first_sentence(after if found else message) or "unreadable pickle data"
+    if not found:  # a global of a blocked module (os, posix, subprocess...) is named on a line of its own
+        after = next((line for line in message.splitlines() if "unsupported GLOBAL" in line), message)
+    return _first_sentence(after) or "unreadable pickle data"
 
 
 def _first_sentence(message: str) -> str:

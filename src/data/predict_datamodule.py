@@ -1,4 +1,4 @@
-"""A data module that serves prediction inputs through another data module's loaders and transforms."""
+"""Data modules that serve prediction inputs through another data module's loaders and transforms."""
 
 from __future__ import annotations
 
@@ -25,6 +25,28 @@ class PredictDataModule(LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self.source.eval_loader(self.dataset)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.source.on_after_batch_transfer(batch, dataloader_idx)
+
+
+class SplitPredictDataModule(LightningDataModule):
+    """``predict_dataloader``: the ``test`` (or ``predict``) loader of a data module that is not the project's,
+    as that module builds it, with its batch transfer hooks; it is set up already (the inputs are counted)."""
+
+    def __init__(self, source: LightningDataModule, split: str) -> None:
+        super().__init__()
+        self.source, self.split = source, split
+
+    def predict_dataloader(self) -> Any:
+        self.source.trainer = self.trainer
+        return getattr(self.source, f"{self.split}_dataloader")()
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.source.on_before_batch_transfer(batch, dataloader_idx)
+
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        return self.source.transfer_batch_to_device(batch, device, dataloader_idx)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         return self.source.on_after_batch_transfer(batch, dataloader_idx)

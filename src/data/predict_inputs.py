@@ -27,8 +27,45 @@ NO_LABEL = -1
 
 @dataclass
 class PredictInputs:
-    dataset: InMemoryDataset  # targets: the labels, or NO_LABEL
+    dataset: InMemoryDataset | None  # targets: the labels, or NO_LABEL (None: a user data module's own loader)
     sources: list[str]
+
+
+USER_SPLITS = ("test", "predict")
+
+
+def split_inputs(source: str, datamodule) -> PredictInputs:
+    """The inputs of a data module that is not the project's: its own ``test`` or ``predict`` loader."""
+    name = type(datamodule).__name__
+    if source not in USER_SPLITS:
+        raise DataError(f"input={source}: {name} is not a data module of this project, so only its own loaders can "
+                        f"be predicted on; fix: input=test or input=predict")
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden(f"{source}_dataloader", datamodule):
+        raise DataError(f"input={source}: {name} defines no {source}_dataloader; fix: define it, or pick the other "
+                        f"of {', '.join(USER_SPLITS)}")
+    datamodule.prepare_data()
+    datamodule.setup(source)
+    loader = getattr(datamodule, f"{source}_dataloader")()
+    return PredictInputs(None, [f"{source}[{i}]" for i in range(len(loader.dataset))])
+
+
+def predict_on_inputs(model) -> None:
+    """A module without a ``predict_step`` of its own predicts ``forward(inputs)``: Lightning's default would pass
+    the whole ``(inputs, labels)`` batch to ``forward``."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if is_overridden("predict_step", model):
+        return
+    if not is_overridden("forward", model):
+        raise DataError(f"predict.py needs {type(model).__name__}.predict_step or forward, and it defines neither; "
+                        "fix: define forward(inputs)")
+
+    def predict_step(batch, batch_idx: int, dataloader_idx: int = 0):
+        return model(batch[0] if isinstance(batch, (list, tuple)) else batch)
+
+    model.predict_step = predict_step  # this instance only; the class is the user's
 
 
 def load_inputs(source: str, datamodule, ckpt_path: str) -> PredictInputs:

@@ -215,3 +215,11 @@ def check_with_strategy_class(trainer_cfg: DictConfig) -> None:
         return
     if isinstance(cls, type) and issubclass(cls, ChecksTrainerConfig):
         cls.check_trainer_config(trainer_cfg)
+
+
+def require_step(model: Any, step: str, script: str, fix: str) -> None:
+    """One line when ``script`` needs ``model``'s ``step`` (``test_step``, ``predict_step``...) and it has none."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden(step, model):
+        raise ConfigError(f"{script} runs {type(model).__name__}.{step}, which it does not define; fix: {fix}")
