@@ -47,3 +47,9 @@ class RateLimitedRichProgressBar(RichProgressBar):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._apply_pending(trainer, pl_module)  # an epoch cut short (max_steps, a stop request)
         super().on_train_epoch_end(trainer, pl_module)
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict:
+        """Lightning's, less ``v_num``: the logger's version (0 for every run of this template, shown as 0.000)."""
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
