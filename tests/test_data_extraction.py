@@ -85,3 +85,14 @@ def test_a_failed_download_leaves_nothing(tmp_path):
     with pytest.raises(ConnectionError):
         publish_whole(tmp_path, make, ["cifar-10-batches-py"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_download_into_a_missing_folder_leaves_no_folder(tmp_path):
+    """``data.data_dir=/nonexistent/...`` refused after the download failed: nothing is left where it pointed."""
+    def make(folder: Path) -> None:
+        raise ConnectionError("network unreachable")
+
+    root = tmp_path / "made" / "for" / "cifar"
+    with pytest.raises(ConnectionError):
+        publish_whole(root, make, ["cifar-10-batches-py"])
+    assert list(tmp_path.iterdir()) == []

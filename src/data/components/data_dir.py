@@ -3,7 +3,9 @@ a file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,9 +41,17 @@ def publish_whole(root: str | Path, make: Callable[[Path], None], names: Sequenc
     download or extraction. A folder that another process published first is kept as it is.
     """
     root = Path(root)
+    created = [p for p in (root, *root.parents) if not p.exists()]  # removed again if nothing is published
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".partial-", dir=root) as partial:
-        make(Path(partial))
+    with tempfile.TemporaryDirectory(prefix=".partial-", dir=root, ignore_cleanup_errors=True) as partial:
+        try:
+            make(Path(partial))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            for folder in created:  # a refused or failed download leaves no folder it made
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
         for name in names:
             target = root / name
             target.parent.mkdir(parents=True, exist_ok=True)
