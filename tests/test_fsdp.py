@@ -109,9 +109,6 @@ def test_replace_swaps_a_folder_in_whole_and_drops_the_old(tmp_path):
 
 
 @pytest.mark.fast
-@pytest.mark.xfail(strict=True, reason="src/checkpointing/resume_state.py restores the random state at on_fit_start, "
-                   "which runs before fsdp loads its checkpoint; drop this mark once on_load_checkpoint restores "
-                   "for a strategy that loads after set-up")
 def test_a_resume_under_fsdp_has_the_saved_random_state_before_the_first_batch():
     """fsdp loads its checkpoint after set-up (``restore_checkpoint_after_setup``), so Lightning calls
     ``on_load_checkpoint`` after ``on_fit_start``; a plain DataLoader then draws its seeds from the global

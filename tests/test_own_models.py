@@ -233,7 +233,7 @@ GAN = [SUBJECTS, "model=gan", "data=gaussian_points", "data.n=4096", "optimized_
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("trainer", ["default", "ddp", "ddp_fork"])
+@pytest.mark.parametrize("trainer", ["default", "ddp", "ddp_fork", "fsdp"])
 def test_a_gan_with_two_optimizers_resumes_bit_exact_after_a_kill(trainer, tmp_path):
     extra = [f"trainer={trainer}", f"trainer.devices={1 if trainer == 'default' else 2}"]
     if trainer.startswith("ddp"):  # each optimizer's loss leaves the other network's parameters unused

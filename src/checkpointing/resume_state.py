@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_mean, dim_zero_min
 
@@ -95,6 +96,8 @@ class ResumeRandomState(Callback):
                         "for bit")
         else:
             self._pending = states[trainer.global_rank]
+            if loads_after_fit_start(trainer):  # on_fit_start has run: put them back now, before any loader draws
+                restore_random_state(trainer, self._pending)
 
     @property
     def restores_random_state(self) -> bool:
@@ -104,7 +107,8 @@ class ResumeRandomState(Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Restored early too, for a plain ``DataLoader``: it draws its shuffle and worker seeds from the global
         stream when its iterator is made, before ``on_train_start`` in a resumed fit and at the epoch's start in
-        an uninterrupted one (nothing draws between that restore and that iterator)."""
+        an uninterrupted one (nothing draws between that restore and that iterator). A strategy that loads the
+        checkpoint after set-up (fsdp) calls ``on_load_checkpoint`` after this hook: they are restored there."""
         if self._pending is not None:
             restore_random_state(trainer, self._pending)
 
@@ -113,6 +117,13 @@ class ResumeRandomState(Callback):
             if not draws_seeds_at_epoch_start(trainer):
                 restore_random_state(trainer, self._pending)
             self._pending = None
+
+
+def loads_after_fit_start(trainer: L.Trainer) -> bool:
+    """Whether this fit reads its checkpoint after ``on_fit_start``: Lightning restores after the strategy's set-up
+    for one whose ``restore_checkpoint_after_setup`` is true (fsdp, ModelParallel, DeepSpeed), and that set-up
+    precedes ``on_fit_start``."""
+    return trainer.state.fn == TrainerFn.FITTING and trainer.strategy.restore_checkpoint_after_setup
 
 
 def draws_seeds_at_epoch_start(trainer: L.Trainer) -> bool:
