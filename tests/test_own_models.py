@@ -98,23 +98,24 @@ def train(tmp: Path, *overrides: str) -> Path:
     return tmp
 
 
-def killed(log_dir: Path, *overrides: str) -> tuple[Path, list[str]]:
-    """Start ``src/train.py``; kill -9 every process once its first ``last.ckpt`` is written: the run dir, and the
-    command to run it again."""
+def killed(log_dir: Path, *overrides: str, sig: int = signal.SIGKILL) -> tuple[Path, list[str]]:
+    """Start ``src/train.py``; send ``sig`` to every process once its first ``last.ckpt`` is written: the run dir, and
+    the command to run it again. A SIGTERM is a preemption: the run stops on every rank and exits 143."""
     command = [sys.executable, str(ROOT / "src" / "train.py"), *overrides, f"paths.log_dir={log_dir}"]
     proc = launch(command)
     wrote = wait_for_checkpoint(proc, log_dir)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, sig)
     finish(proc)
-    assert wrote and proc.returncode == -signal.SIGKILL, f"the run ended before the kill: {proc.stderr_text[-2000:]}"
+    expected = -signal.SIGKILL if sig == signal.SIGKILL else 128 + sig
+    assert wrote and proc.returncode == expected, f"the run ended otherwise: {proc.stderr_text[-2000:]}"
     (run_dir,) = run_dirs(log_dir)
     return run_dir, command
 
 
-def killed_and_resumed(log_dir: Path, *overrides: str) -> Path:
+def killed_and_resumed(log_dir: Path, *overrides: str, sig: int = signal.SIGKILL) -> Path:
     """:func:`killed`, then the same command again, to its end: the run dir."""
-    run_dir, command = killed(log_dir, *overrides)
+    run_dir, command = killed(log_dir, *overrides, sig=sig)
     again = launch(command)
     assert finish(again) == 0, again.stderr_text[-3000:]
     return run_dir
@@ -158,8 +159,9 @@ def test_its_checkpoints_load_in_every_entry_point(ashleve_run, fashion_root, tm
 
 
 @pytest.mark.faults
-def test_a_kill_resumes_it_bit_exact_and_its_log_has_no_step_twice(ashleve_run, fashion_root, tmp_path):
-    run_dir = killed_and_resumed(tmp_path, *ashleve_training(fashion_root))
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_a_kill_resumes_it_bit_exact_and_its_log_has_no_step_twice(sig, ashleve_run, fashion_root, tmp_path):
+    run_dir = killed_and_resumed(tmp_path, *ashleve_training(fashion_root), sig=sig)
     said = (run_dir / "train.log").read_text()  # plain DataLoaders: epoch-end checkpoints, said in one line
     assert "FashionMNISTData (a DataLoader) cannot resume mid-epoch, so last.ckpt is written at epoch ends" in said
     assert not differing(ashleve_run, run_dir)
@@ -227,13 +229,21 @@ def test_eval_of_a_module_without_test_step_is_one_line(tmp_path):
                                                     "predict with src/predict.py")
 
 
+@pytest.mark.faults
+def test_under_ps_boring_model_resumes_after_a_kill(tmp_path):
+    boring = [o for o in BORING if not o.startswith("trainer.max_epochs")]
+    run_dir = killed_and_resumed(tmp_path, *boring, "trainer=ps", "trainer.devices=3", "trainer.max_epochs=10")
+    assert status(run_dir)["status"] == "finished"
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 10
+
+
 # -- (c) two optimizers, manual optimization -----------------------------------------------------------------------
 GAN = [SUBJECTS, "model=gan", "data=gaussian_points", "data.n=4096", "optimized_metric=val/d_loss",
        "optimized_mode=min", "trainer.max_epochs=4", *SHORT]
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("trainer", ["default", "ddp", "ddp_fork", "fsdp"])
+@pytest.mark.parametrize("trainer", ["default", "ddp", "ddp_spawn", "ddp_fork", "fsdp"])
 def test_a_gan_with_two_optimizers_resumes_bit_exact_after_a_kill(trainer, tmp_path):
     extra = [f"trainer={trainer}", f"trainer.devices={1 if trainer == 'default' else 2}"]
     if trainer.startswith("ddp"):  # each optimizer's loss leaves the other network's parameters unused
