@@ -2,9 +2,9 @@
 
 The best checkpoint, early stopping and sweeps all follow ``optimized_metric`` (``val/acc`` by default). A
 module of a user's that logs other names would otherwise train to the end and fail there, or stop with
-Lightning's traceback from ``EarlyStopping`` after the first epoch. The check runs after the sanity check's
-validation (a ``val/`` metric), after the first validation when there is no sanity check, or after the first
-training epoch (a ``train/`` metric). ``optimized_metric=null`` needs no metric: the checkpoint then keeps the
+Lightning's traceback from ``EarlyStopping`` after the first epoch. The check runs after the first validation
+(a ``val/`` metric; already after the sanity check's when that logged no metric at all), or after the first
+training epoch (a ``train/`` metric, or a module that does not validate). ``optimized_metric=null`` needs no metric: the checkpoint then keeps the
 last epoch, and early stopping is left out (:func:`drop_callbacks_without_a_metric`).
 """
 
@@ -32,7 +32,9 @@ class MonitoredMetricCheck(Callback):
         return self.metric.startswith("train/")
 
     def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self.from_training:
+        # A module may log a metric outside the sanity check only (a best-so-far tracker): that one waits for the
+        # first validation; a module that logged nothing at all is told now
+        if not self.from_training and not trainer.callback_metrics:
             self.check(trainer, pl_module, "the sanity check's validation")
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
