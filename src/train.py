@@ -67,8 +67,6 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
         log.info(f"Instantiating model <{cfg.model._target_}>")
         model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-        if cfg.get("test"):
-            require_step(model, "test_step", "train.py (test=true)", "test=false, or define test_step")
         if ckpt_path:
             check_checkpoint(ckpt_path, model, cfg)
         loggers = instantiate_loggers(cfg.get("logger"))
@@ -79,6 +77,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
         trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
         preflight(trainer, model, datamodule)  # before any rank starts and before the run is recorded as running
+        if cfg.get("test"):  # after the strategy's own check of the model, which names more of what is missing
+            require_step(model, "test_step", "train.py (test=true)", "test=false, or define test_step")
     objects = {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks,
                "logger": loggers, "trainer": trainer}
     log_hyperparameters(objects)  # rank 0, once: config and parameter counts to every logger

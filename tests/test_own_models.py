@@ -229,6 +229,16 @@ def test_eval_of_a_module_without_test_step_is_one_line(tmp_path):
                                                     "predict with src/predict.py")
 
 
+@pytest.mark.fast
+def test_training_with_test_true_of_a_module_without_test_step_is_one_line(tmp_path):
+    proc = run_entry("train", SUBJECTS, "model=demo", "data=boring", "optimized_metric=null", "test=true",
+                     *SHORT, f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("error: train.py (test=true) runs DemoModel.test_step, which it "
+                                                    "does not define; fix: test=false, or define test_step")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 @pytest.mark.faults
 def test_under_ps_boring_model_resumes_after_a_kill(tmp_path):
     boring = [o for o in BORING if not o.startswith("trainer.max_epochs")]
