@@ -19,10 +19,9 @@ is given the same id, and MLflow a new run unless it is given the run id. Here:
   and continues the run of that tag, if an earlier attempt made one. It asks the tracking store what it
   holds of each metric (:class:`HeldPoints`), and does not send a replayed point again (MLflow has no way to
   replace one: it would keep both).
-* :class:`ResumableWandbLogger` is given that id and ``resume: allow`` (``configs/logger/wandb.yaml``), so
-  every attempt logs into one W&B run. W&B too keeps every point it is sent, and offline there is no server
-  to ask: it reads what the earlier attempts' transaction logs hold (:mod:`src.loggers.wandb_records`) and
-  does not send a replayed point again.
+* W&B is Lightning's own WandbLogger, given the run's id and ``resume: allow`` (``configs/logger/wandb.yaml``):
+  every attempt logs into one W&B run, and W&B's own resume handles the replayed steps (online, W&B keeps
+  one point per step of a run; offline, each attempt's points stay in its own folder until ``wandb sync``).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from src.runtime.launch_context import launch_context
@@ -167,21 +166,7 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
         super().log_metrics(metrics, step)
 
 
-class SendsUnheldPoints:
-    """A logger that sends only the points its run does not hold yet (``self._held``, keys with ``self._key_prefix``):
-    a resume replays steps the run holds already, and MLflow and W&B would keep both."""
-
-    _held: HeldPoints
-    _key_prefix: str
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        metrics = self._held.unsent(metrics, step, self._key_prefix)
-        if metrics:
-            super().log_metrics(metrics, step)  # type: ignore[misc]
-
-
-class ResumableMLFlowLogger(SendsUnheldPoints, MLFlowLogger):
+class ResumableMLFlowLogger(MLFlowLogger):
     """Lightning's MLFlowLogger continuing the MLflow run tagged ``run_uid``: a resume logs into the same run."""
 
     def __init__(self, experiment_name: str = "lightning_logs", run_uid: str | None = None,
@@ -197,17 +182,12 @@ class ResumableMLFlowLogger(SendsUnheldPoints, MLFlowLogger):
                 self._held = mlflow_points_held(uri, run_id)
         super().__init__(experiment_name=experiment_name, tags=tags, run_id=run_id, **kwargs)
 
-
-class ResumableWandbLogger(SendsUnheldPoints, WandbLogger):
-    """Lightning's WandbLogger sending each point of a resumed run once: W&B keeps every point it is sent."""
-
-    def __init__(self, prefix: str = "", **kwargs: Any) -> None:
-        super().__init__(prefix=prefix, **kwargs)
-        self._held = HeldPoints()
-        self._key_prefix = f"{prefix}{self.LOGGER_JOIN_CHAR}" if prefix else ""
-        run_id, folder = self.version, self.save_dir  # as WandbLogger resolved them (id or version; save_dir or dir)
-        if run_id and folder and launch_context().is_launching_process:  # only rank 0 logs
-            self._held = wandb_points_held(Path(folder) / "wandb", run_id)
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Only the points the run does not hold yet: a resume replays steps MLflow holds, and it would keep both."""
+        metrics = self._held.unsent(metrics, step, self._key_prefix)
+        if metrics:
+            super().log_metrics(metrics, step)
 
 
 class HeldPoints:
@@ -266,17 +246,4 @@ def mlflow_points_held(tracking_uri: str, run_id: str) -> HeldPoints:
     for key in client.get_run(run_id).data.metrics:
         for metric in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
             held.add([key], metric.step)
-    return held
-
-
-def wandb_points_held(wandb_dir: Path, run_id: str) -> HeldPoints:
-    """What W&B run ``run_id`` holds of each metric: its earlier attempts' transaction logs, in order."""
-    from src.loggers.wandb_records import STEP_KEY, history_points, transaction_logs
-
-    held = HeldPoints()
-    for path in transaction_logs(wandb_dir, run_id):
-        for point in history_points(path):
-            step = point.pop(STEP_KEY, None)
-            if isinstance(step, (int, float)):
-                held.add(point, int(step))
     return held

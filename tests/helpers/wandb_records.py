@@ -1,4 +1,4 @@
-"""What W&B holds of a run: the history points in the run's transaction logs (``run-<id>.wandb``).
+"""For the tests: what W&B holds of a run, read from the run's transaction logs (``run-<id>.wandb``).
 
 W&B writes every record it is sent, online or offline, to a transaction log in the run's attempt directory
 (``wandb/offline-run-<time>-<id>/`` or ``wandb/run-<time>-<id>/``): a 7-byte header (``:W&B``, a 2-byte
@@ -7,7 +7,7 @@ length and a type: full, first, middle, last) around serialized ``wandb_internal
 
 Own code because nothing else reads it: the wandb package moved its reader into its Go core, and an offline
 run has no server to ask. A log cut short by a kill ends where its last whole record ends; a file in a
-format this reader does not know is reported as holding nothing (the points are then sent again, never lost).
+format this reader does not know is reported as holding nothing.
 """
 
 from __future__ import annotations
