@@ -38,7 +38,9 @@ class InMemoryDataModule(LightningDataModule):
     * Augmentation draws from this rank's own generator (:meth:`augmentation_generator`), so the
       ranks of a DDP run crop and flip differently.
     * Where the data lives (``on_device``): with ``auto``, on the trainer's GPU when it fits in a quarter
-      of the free memory, so a batch is one indexing op there and nothing crosses PCIe per step; on a CPU
+      of the free memory, so a batch is one indexing op there and nothing crosses PCIe per step (the
+      training loader copies each epoch's order there once and cuts every batch from it there:
+      ``index_device`` of :class:`~src.data.components.resumable_loader.ResumableDataLoader`); on a CPU
       trainer, in host memory. Either way image data is normalized once at set-up, which is exact: a
       crop pads with the normalized value of black. Otherwise (a GPU, ``on_device: false`` or too large)
       uint8 batches are copied from pinned memory (``pin_memory="auto"``) and normalized on the device.
@@ -199,7 +201,15 @@ class InMemoryDataModule(LightningDataModule):
         replicas, rank = self._replicas()
         sampler = GlobalBatchShuffle(self.data_train, seed=self.hparams.seed, global_batch=self.hparams.batch_size,
                                      num_replicas=replicas, rank=rank)
-        return self._loader(self.data_train, sampler=sampler, drop_last=True, loader_class=ResumableDataLoader)
+        return self._loader(self.data_train, sampler=sampler, drop_last=True, loader_class=ResumableDataLoader,
+                            index_device=self._index_device())
+
+    def _index_device(self) -> torch.device | None:
+        """Where the training loader cuts its batches: the data's device when the data lives there (once placed)
+        and the batches are made in this process, unpinned; None keeps the host path (a host list per batch)."""
+        if self.data_device is None or self.pin_memory or self._workers():
+            return None
+        return self.data_device
 
     def val_dataloader(self) -> DataLoader:
         return self.eval_loader(self.data_val)
@@ -266,9 +276,7 @@ class InMemoryDataModule(LightningDataModule):
             self.augmentation_generator(torch.device(device)).set_state(state)
 
     def _loader(self, dataset: InMemoryDataset, loader_class: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
-        # batches of data on a GPU are made in this process: worker processes cannot use its memory
-        on_gpu = self.data_device is not None and self.data_device.type != "cpu"
-        workers = 0 if on_gpu else self.hparams.num_workers
+        workers = self._workers()
         return loader_class(
             dataset,
             batch_size=self.batch_size_per_replica,
@@ -280,6 +288,12 @@ class InMemoryDataModule(LightningDataModule):
             generator=torch.Generator().manual_seed(self.hparams.seed),
             **kwargs,
         )
+
+    def _workers(self) -> int:
+        """``data.num_workers``, or 0 for data on a GPU: its batches are made in this process (workers cannot use
+        its memory)."""
+        on_gpu = self.data_device is not None and self.data_device.type != "cpu"
+        return 0 if on_gpu else self.hparams.num_workers
 
     def eval_loader(self, dataset: InMemoryDataset) -> DataLoader:
         """In order, each sample once across ranks (validation, test and prediction)."""

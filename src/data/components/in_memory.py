@@ -15,7 +15,8 @@ class InMemoryDataset(Dataset):
     ``__getitems__`` (used by torch's DataLoader when present) gathers a batch with one
     indexing op instead of N ``__getitem__`` calls plus a collate, which is what makes
     the per-sample PIL pipeline slower than the model on small images. Samplers still
-    choose the indices.
+    choose the indices: a host list (copied to the data's device per batch), or an int64
+    tensor already on that device (the resumable loader's ``index_device`` path).
     """
 
     def __init__(self, inputs: Tensor, targets: Tensor) -> None:
@@ -30,9 +31,9 @@ class InMemoryDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         return self.inputs[index], self.targets[index]
 
-    def __getitems__(self, indices: Sequence[int]) -> tuple[Tensor, Tensor]:
-        idx = torch.as_tensor(indices, dtype=torch.long)
-        if self.inputs.is_cuda:  # from pinned memory the copy is queued, not waited for: no host-device sync
+    def __getitems__(self, indices: Sequence[int] | Tensor) -> tuple[Tensor, Tensor]:
+        idx = torch.as_tensor(indices, dtype=torch.long)  # an index tensor cut on the device is used as it is
+        if self.inputs.is_cuda and not idx.is_cuda:  # from pinned memory the copy is queued, not waited for: no sync
             idx = idx.pin_memory().to(self.inputs.device, non_blocking=True)
         # index_select copies whole rows; advanced indexing (inputs[idx]) is much slower on uint8 images.
         return self.inputs.index_select(0, idx), self.targets.index_select(0, idx)

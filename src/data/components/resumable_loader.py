@@ -11,6 +11,12 @@ a resumed epoch see exactly the batches an uninterrupted run would have seen:
   ranks, fsdp and dp train on the same samples in the same order;
 * :class:`ResumableDataLoader` counts the global batches handed out in the current epoch and, once
   restored, skips that many on its next iteration, whatever the number of ranks now.
+
+Where the data set lives on a device (``index_device``), the loader cuts its batches there: once per epoch it
+copies this rank's whole order to that device (one copy), and each batch is a slice of it, which the dataset
+gathers with on the device. Without it each batch's indices are a host list, made a tensor and copied to the
+device on their own (a copy per batch and per step of the input pipeline). The order, the batches, the
+resume position and the ``state_dict`` are the same on both paths.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from src.utils.errors import ConfigError
@@ -45,11 +52,14 @@ class GlobalBatchShuffle(DistributedSampler):
         self.num_samples = self.global_batches * self.local_batch
         self.total_size = self.global_batches * global_batch
 
-    def __iter__(self) -> Iterator[int]:
+    def rank_batches(self) -> Tensor:
+        """This replica's batches of the current epoch in order: int64 ``(global_batches, local_batch)``, on the host."""
         generator = torch.Generator().manual_seed(rank_seed(self.seed, 0, f"shuffle-epoch-{self.epoch}"))
         order = torch.randperm(len(self.dataset), generator=generator)[: self.total_size]
-        mine = order.view(self.global_batches, self.num_replicas, self.local_batch)[:, self.rank]
-        return iter(mine.reshape(-1).tolist())
+        return order.view(self.global_batches, self.num_replicas, self.local_batch)[:, self.rank].contiguous()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rank_batches().reshape(-1).tolist())
 
 
 class ResumableDataLoader(DataLoader):
@@ -61,10 +71,25 @@ class ResumableDataLoader(DataLoader):
     knows the loader's length, so it does not prefetch: at a checkpoint, every batch handed out has
     been trained on. Skipped batches are fetched and dropped rather than skipped in the sampler, which
     keeps worker processes (and any randomness they hold) in step with an uninterrupted run.
+
+    ``index_device``: the device the dataset lives on, for a :class:`GlobalBatchShuffle` sampler and no worker
+    processes. Each epoch, :meth:`GlobalBatchShuffle.rank_batches` crosses to that device in one copy and batch
+    ``i`` is its row ``i`` (a view: no copy, no sync), handed to the dataset's ``__getitems__`` (then
+    ``collate_fn``) as torch's own fetcher would hand it the host list. The batches are the host path's, bit for
+    bit. No worker holds a random state here, so a resumed epoch starts at its position without fetching the
+    skipped batches. Only the iteration differs: Lightning still sees a DataLoader with a ``DistributedSampler``
+    (which it keeps), and ``len``, ``sampler``, ``set_epoch`` and the state are unchanged.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, index_device: torch.device | str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.index_device = None if index_device is None else torch.device(index_device)
+        if self.index_device is not None:
+            if not hasattr(self.sampler, "rank_batches"):
+                raise ValueError(f"index_device needs a GlobalBatchShuffle sampler, not a {type(self.sampler).__name__}")
+            if self.num_workers or self.pin_memory:
+                raise ValueError("index_device cuts batches where the data lives, in this process: it takes neither "
+                                 "worker processes nor pinned memory")
         self._batches_done = 0
         self._counted_epoch: int | None = None  # the epoch whose batches _batches_done counts
         self._resume_at: tuple[int | None, int] | None = None  # (epoch, batches done) from a checkpoint
@@ -100,6 +125,9 @@ class ResumableDataLoader(DataLoader):
         epoch = self._epoch()
         skip = resume_at[1] if resume_at and resume_at[0] == epoch else 0
         self._batches_done, self._counted_epoch = 0, epoch
+        if self.index_device is not None:
+            yield from self._device_batches(skip)
+            return
         batches = super().__iter__()
         for _ in range(skip):
             if next(batches, None) is None:
@@ -108,3 +136,17 @@ class ResumableDataLoader(DataLoader):
         for batch in batches:
             self._batches_done += 1
             yield batch
+
+    def _device_batches(self, skip: int) -> Iterator[Any]:
+        """This epoch's batches from ``skip`` on, cut on ``index_device`` (see the class docstring)."""
+        order = self.sampler.rank_batches()
+        if self.index_device.type == "cuda":  # from pinned memory the copy is queued, not waited for
+            order = order.pin_memory()
+        order = order.to(self.index_device, non_blocking=True)
+        self._batches_done = min(skip, len(order))
+        getitems = getattr(self.dataset, "__getitems__", None)
+        for batch in range(self._batches_done, len(order)):
+            indices = order[batch]
+            fetched = getitems(indices) if getitems else [self.dataset[i] for i in indices]
+            self._batches_done += 1
+            yield self.collate_fn(fetched)
