@@ -6,7 +6,6 @@ No cloud and no ssh host: SkyPilot's own loader validates the task offline; "nod
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -20,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from tests.helpers.config import ROOT
+from tests.helpers.processes import Processes, free_port
 
 TASK = ROOT / "scripts" / "cloud" / "ec2.yaml"
 TINY = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_train_batches=6",
@@ -30,6 +29,10 @@ TINY = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_trai
 # nothing may leave this machine: any HTTP(S) attempt goes to a closed loopback port; no usage reports
 OFFLINE = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": "",
            "SKYPILOT_DISABLE_USAGE_COLLECTION": "1"}
+# the node layout node_train.sh (and torchrun: also PET_*) reads before SkyPilot's variables: a test process's own
+# (left by an earlier in-process run, say) would override the node's rank, address or process count
+NODE_LAYOUT = ("NNODES", "NODE_RANK", "MASTER_ADDR", "NPROC_PER_NODE", "RUN_ID", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+               "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "BASH_ENV")
 
 
 def skypilot_python() -> str | None:
@@ -84,17 +87,18 @@ def test_node_script_trains_two_nodes_over_loopback(tmp_path):
     """node_train.sh, run twice with the variables SkyPilot sets on node 0 and node 1: identical weights."""
     skypilot = {"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
                 "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_TASK_ID": "sky-test_lhd_1",
-                "MASTER_PORT": str(find_free_network_port()), "PYTHON": sys.executable}
-    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
-    nodes = [subprocess.Popen(["bash", str(ROOT / "scripts/cloud/node_train.sh"), *TINY, *dump_params(tmp_path),
-                               f"paths.log_dir={tmp_path}/logs"],
-                              env={**os.environ, **skypilot, "SKYPILOT_NODE_RANK": str(rank)}, cwd=tmp_path,
-                              stdout=log.open("w"), stderr=subprocess.STDOUT) for rank, log in enumerate(logs)]
-    for node in nodes:
-        node.wait(timeout=300)
-    outputs = [log.read_text() for log in logs]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    assert "node 1/2: 1 processes, master 127.0.0.1" in outputs[1]
+                "MASTER_PORT": str(free_port()), "PYTHON": sys.executable}
+    # what the script reads from the environment comes from SkyPilot's variables alone, not from this process
+    inherited = {k: v for k, v in os.environ.items() if k not in NODE_LAYOUT and not k.startswith("PET_")}
+    with Processes() as procs:
+        for rank in (0, 1):
+            procs.start(f"node {rank}", ["bash", str(ROOT / "scripts/cloud/node_train.sh"), *TINY,
+                                         *dump_params(tmp_path), f"paths.log_dir={tmp_path}/logs"],
+                        log=tmp_path / f"node{rank}.log", cwd=tmp_path,
+                        env={**inherited, **skypilot, "SKYPILOT_NODE_RANK": str(rank)})
+        codes = procs.wait(300, "both nodes to train and exit (node 0 hosts the rendezvous, node 1 joins it)")
+        assert list(codes.values()) == [0, 0], procs.report()
+        assert "node 1/2: 1 processes, master 127.0.0.1" in procs.output("node 1"), procs.report()
     assert_identical_params(tmp_path / "params")
     (run_dir,) = (tmp_path / "logs" / "train" / "runs").iterdir()  # both nodes named it from the task id
     assert run_dir.name.startswith("sky_sky-test_lhd_1_") and (run_dir / "checkpoints" / "last.ckpt").is_file()
@@ -113,13 +117,16 @@ def fake_ssh(bin_dir: Path) -> Path:
 def test_launch_hosts_two_hosts_over_loopback(tmp_path):
     """`make launch-hosts HOSTS="127.0.0.1 127.0.0.1"`: one torchrun per host, ranks by position, identical weights."""
     args = " ".join([*TINY, *dump_params(tmp_path), f"paths.log_dir={tmp_path}/logs"])
-    proc = subprocess.run(
-        ["make", "--no-print-directory", "launch-hosts", "HOSTS=127.0.0.1 127.0.0.1", f"SSH={fake_ssh(tmp_path / 'bin')}",
-         "SSH_OPTS=", f"REMOTE_DIR={ROOT}", "REMOTE_SETUP=true", f"PYTHON={sys.executable}", "NPROC_PER_NODE=1",
-         f"MASTER_PORT={find_free_network_port()}", f"ARGS={args}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "[node 0] node 0/2" in proc.stdout and "[node 1] node 1/2" in proc.stdout
+    with Processes() as procs:
+        procs.start("make launch-hosts", [
+            "make", "--no-print-directory", "launch-hosts", "HOSTS=127.0.0.1 127.0.0.1",
+            f"SSH={fake_ssh(tmp_path / 'bin')}", "SSH_OPTS=", f"REMOTE_DIR={ROOT}", "REMOTE_SETUP=true",
+            f"PYTHON={sys.executable}", "NPROC_PER_NODE=1", f"MASTER_PORT={free_port()}", f"ARGS={args}"],
+            log=tmp_path / "launch_hosts.log", cwd=ROOT)
+        (code,) = procs.wait(300, "make launch-hosts: both hosts' torchrun to train and exit").values()
+        assert code == 0, procs.report(lines=60)
+        out = procs.output("make launch-hosts")
+        assert "[node 0] node 0/2" in out and "[node 1] node 1/2" in out, procs.report(lines=60)
     assert_identical_params(tmp_path / "params")
 
 
@@ -141,26 +148,19 @@ def test_sync_copies_the_repo_but_not_ignored_files(tmp_path):
     assert not (remote / ".venv-cloud").exists() and not (remote / "data").exists()
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
-
-
 @pytest.mark.slow
 def test_kill_orphans_ends_orphaned_ranks_only(tmp_path):
     """torchrun's agent dies; its two ranks train on as orphans. kill-orphans ends them, not a bystander python."""
     pid_dir = tmp_path / "logs" / ".pids"
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "src/train.py"),
-         "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.max_epochs=100",
-         "extras.print_config=false", "logger=none", f"paths.log_dir={tmp_path}/logs"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    ranks: list[int] = []
-    try:
-        wait_for(lambda: len(list(pid_dir.glob("*.json"))) == 2, 180, "both ranks to register")
+    with Processes() as procs:  # on the way out it ends the ranks too, which it saw while the agent lived
+        agent = procs.start("torchrun", [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(ROOT / "src/train.py"), "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
+            "trainer.max_epochs=100", "extras.print_config=false", "logger=none", f"paths.log_dir={tmp_path}/logs"],
+            log=tmp_path / "torchrun.log", cwd=ROOT)
+        bystander = procs.start("bystander", [sys.executable, "-c", "import time; time.sleep(600)"],
+                                log=tmp_path / "bystander.log")
+        procs.wait_for(lambda: len(list(pid_dir.glob("*.json"))) == 2, 180, f"both ranks to register in {pid_dir}")
         ranks = [json.loads(p.read_text())["pid"] for p in pid_dir.glob("*.json")]
         kill_orphans = ["make", "--no-print-directory", "kill-orphans", f"PID_DIR={pid_dir}", f"PYTHON={sys.executable}"]
 
@@ -169,7 +169,7 @@ def test_kill_orphans_ends_orphaned_ranks_only(tmp_path):
         assert all(psutil.pid_exists(pid) for pid in ranks)
 
         agent.send_signal(signal.SIGKILL)  # the launcher dies; the ranks are reparented and keep training
-        agent.wait(timeout=30)
+        procs.wait(30, "the SIGKILLed torchrun agent to exit", names=["torchrun"])
         time.sleep(2)
         assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in ranks)
 
@@ -178,10 +178,3 @@ def test_kill_orphans_ends_orphaned_ranks_only(tmp_path):
         assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in ranks)
         assert bystander.poll() is None  # the bystander python is untouched
         assert not list(pid_dir.glob("*.json"))
-    finally:
-        bystander.kill()
-        if agent.poll() is None:
-            agent.kill()
-        for pid in ranks:  # by PID, only the ranks this test started
-            with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(pid).kill()
