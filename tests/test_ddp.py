@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch import Callback
 
 from tests.helpers.config import ROOT, compose_cfg
 from tests.helpers.docs import assert_no_error_line, docs_command
 from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers
+from tests.helpers.processes import Processes, free_port
 from tests.helpers.run_if import requires_2_gpus
 
 # Full val/test sets (exactness is about every sample), 8 training steps, no dropout so runs are comparable.
@@ -294,15 +294,15 @@ def test_rank_zeros_start_keeps_a_failure_another_rank_recorded_first(tmp_path, 
 
 def launch_ranks(envs: list[dict], per_rank_args, params_dir: Path) -> list[dict]:
     """Start one ``python src/train.py`` per env (as separate nodes or srun tasks would), wait, load each rank's params."""
-    procs = []
-    for i, env in enumerate(envs):
-        args = [sys.executable, str(ROOT / "src/train.py"), *per_rank_args(i),
-                "+callbacks.rank_params._target_=tests.helpers.rank_dump.SaveRankParams",
-                f"+callbacks.rank_params.dirpath={params_dir}"]
-        procs.append(subprocess.Popen(args, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(o[-2000:] for o in outputs)
+    with Processes() as procs:  # output to files (a pipe read after another process ends could fill and block)
+        for i, env in enumerate(envs):
+            args = [sys.executable, str(ROOT / "src/train.py"), *per_rank_args(i),
+                    "+callbacks.rank_params._target_=tests.helpers.rank_dump.SaveRankParams",
+                    f"+callbacks.rank_params.dirpath={params_dir}"]
+            procs.start(f"launch {i}", args, log=params_dir.parent / f"launch{i}.log", cwd=ROOT,
+                        env={**os.environ, **env})
+        codes = procs.wait(300, f"all {len(envs)} launches to train and exit")
+        assert list(codes.values()) == [0] * len(envs), procs.report()
     return [torch.load(params_dir / f"params_rank{r}.pt") for r in range(len(envs))]
 
 
@@ -315,7 +315,7 @@ def assert_same_params(states: list[dict]) -> None:
 @pytest.mark.slow
 def test_simulated_two_nodes_over_loopback(tmp_path):
     """Two launches, NODE_RANK 0 and 1, one CPU process each, rendezvous on 127.0.0.1."""
-    port = str(find_free_network_port())
+    port = str(free_port())
     envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)} for node in (0, 1)]
     states = launch_ranks(
         envs, lambda node: ["trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2", *TINY_RUN,
@@ -331,7 +331,7 @@ def test_slurm_environment_detected(tmp_path):
     """Two tasks with the variables `srun` sets: Lightning's SLURMEnvironment joins them; one shared run dir."""
     job_id = str(900000 + os.getpid() % 1000)
     common = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": job_id,
-              "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
+              "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(free_port())}
     envs = [{**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in (0, 1)]
     states = launch_ranks(envs, lambda r: ["trainer=ddp", "trainer.devices=2", *TINY_RUN,
                                            f"paths.log_dir={tmp_path}/logs"], tmp_path / "params")

@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from tests.helpers.config import ROOT
 from tests.helpers.docs import assert_no_error_line, docs_command
 from tests.helpers.entry import run_entry
+from tests.helpers.processes import Processes, free_port
 from tests.test_bad_input import error_line
 from tests.test_ddp import TINY_RUN
 
@@ -77,13 +77,15 @@ def test_slurm_environment_detected(tmp_path):
     """Two tasks with the variables `srun` sets: Lightning's SLURMEnvironment joins them; one shared run dir."""
     job_id = str(910000 + os.getpid() % 1000)
     common = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": job_id,
-              "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
+              "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(free_port())}
     envs = [{**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "src/train.py"), *FSDP, *TINY_RUN,
-                               f"paths.log_dir={tmp_path}/logs"], cwd=ROOT, env={**os.environ, **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for env in envs]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    with Processes() as procs:
+        for r, env in enumerate(envs):
+            procs.start(f"task {r}", [sys.executable, str(ROOT / "src/train.py"), *FSDP, *TINY_RUN,
+                                      f"paths.log_dir={tmp_path}/logs"],
+                        log=tmp_path / f"task{r}.log", cwd=ROOT, env={**os.environ, **env})
+        codes = procs.wait(300, "both srun tasks to train and exit")
+        assert list(codes.values()) == [0, 0], procs.report()
     (run,) = (tmp_path / "logs" / "train" / "runs").iterdir()
     assert f"slurm_{job_id}" in run.name  # both tasks agreed on one directory
     assert len(list((run / "checkpoints" / "last.ckpt").glob("*.distcp"))) == 2  # a shard from each task

@@ -25,6 +25,7 @@ from src.utils.errors import ConfigError
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers
+from tests.helpers.processes import Processes, free_port
 
 # Toy regression (plain SGD): fast to start, fast to train; dropout-free, so runs compare bit for bit.
 TOY = ["experiment=toy", "trainer.accelerator=cpu", "extras.print_config=false", "callbacks.metric_plot=null",
@@ -258,12 +259,13 @@ def test_torchrun_one_node(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").is_file()
 
 
-def launch_all(envs: list[dict], args) -> None:
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "src/train.py"), *args(i)], cwd=ROOT,
-                              env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i, env in enumerate(envs)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(o[-2000:] for o in outputs)
+def launch_all(envs: list[dict], args, log_dir: Path) -> None:
+    with Processes() as procs:
+        for i, env in enumerate(envs):
+            procs.start(f"launch {i}", [sys.executable, str(ROOT / "src/train.py"), *args(i)],
+                        log=log_dir / f"launch{i}.log", cwd=ROOT, env={**os.environ, **env})
+        codes = procs.wait(300, f"all {len(envs)} launches to train and exit")
+        assert list(codes.values()) == [0] * len(envs), procs.report()
 
 
 @pytest.mark.slow
@@ -271,10 +273,10 @@ def test_srun_tasks(tmp_path):
     """Three tasks with the variables srun sets: rank 0 serves, two workers join it; one run directory."""
     job_id = str(910000 + os.getpid() % 1000)
     common = {"SLURM_NTASKS": "3", "SLURM_NTASKS_PER_NODE": "3", "SLURM_NODEID": "0", "SLURM_JOB_ID": job_id,
-              "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
+              "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(free_port())}
     envs = [{**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(3)]
     launch_all(envs, lambda r: ["trainer=ps", "trainer.devices=3", *TOY, "++trainer.limit_train_batches=6",
-                                f"paths.log_dir={tmp_path}/logs"])
+                                f"paths.log_dir={tmp_path}/logs"], tmp_path)
     (run,) = (tmp_path / "logs" / "train" / "runs").iterdir()
     assert f"slurm_{job_id}" in run.name and joined(run) == 2
     assert (run / "checkpoints" / "last.ckpt").is_file()
@@ -284,10 +286,11 @@ def test_srun_tasks(tmp_path):
 def test_two_nodes_over_loopback(tmp_path):
     """NODE_RANK 0 and 1, two processes each: node 0 holds the server and a worker, node 1 two workers (a global
     batch of 48: 16 per worker)."""
-    port = str(find_free_network_port())
+    port = str(free_port())
     envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)} for node in (0, 1)]
     launch_all(envs, lambda node: ["trainer=ps", "trainer.devices=2", "trainer.num_nodes=2", *TOY,
-                                   "data.batch_size=48", "++trainer.limit_train_batches=6", f"hydra.run.dir={tmp_path}/node{node}"])
+                                   "data.batch_size=48", "++trainer.limit_train_batches=6", f"hydra.run.dir={tmp_path}/node{node}"],
+               tmp_path)
     assert joined(tmp_path / "node0") == 3
     assert (tmp_path / "node0" / "checkpoints" / "last.ckpt").is_file()
     assert not (tmp_path / "node1" / "checkpoints").exists()  # only the chief writes

@@ -24,6 +24,7 @@ from src.run.pid_file import registered_ranks
 from tests.helpers.config import ROOT
 from tests.helpers.docs import assert_no_error_line, docs_command
 from tests.helpers.entry import run_entry
+from tests.helpers.processes import Processes
 
 TINY = ["trainer.accelerator=cpu", "trainer.max_epochs=1", "++trainer.limit_train_batches=2",
         "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2", "extras.print_config=false"]
@@ -324,15 +325,14 @@ def test_searches_sharing_one_study_run_each_trial_once(tmp_path, apart_s):
     journal = tmp_path / "shared.journal"
     overrides = [OPTUNA, "hydra.sweeper.n_trials=4", "test=false", *QUICK,
                  f"hydra.sweeper.storage.log_storage.file_path={journal}"]
-    searches = []
-    for name in ("a", "b"):
-        command = [sys.executable, str(ROOT / "src" / "train.py"), *search_command(tmp_path, *overrides, sweep=name)]
-        searches.append(subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE))
-        time.sleep(apart_s)
-    outputs = [s.communicate(timeout=300) for s in searches]
-    for search, (out, err) in zip(searches, outputs, strict=True):
-        assert search.returncode == 0 and "Traceback" not in err, out[-1500:] + err[-3000:]
+    with Processes() as searches:
+        for name in ("a", "b"):
+            command = [sys.executable, str(ROOT / "src" / "train.py"), *search_command(tmp_path, *overrides, sweep=name)]
+            searches.start(f"search {name}", command, log=tmp_path / f"search_{name}.log", cwd=ROOT)
+            time.sleep(apart_s)
+        codes = searches.wait(300, "both searches to run the study's trials and exit")
+        for name, code in codes.items():
+            assert code == 0 and "Traceback" not in searches.output(name), searches.report(lines=60)
     ran = [int(job.name) for name in ("a", "b") for job in job_dirs(tmp_path / name) if (job / "result.yaml").exists()]
     assert sorted(ran) == [0, 1, 2, 3], ran  # each trial once, in one search or the other
     study = study_in(tmp_path / "a", journal)
