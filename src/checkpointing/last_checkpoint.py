@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
 from src.checkpointing.loader_position import position_blocker
-from src.run.status import CHECKPOINT_DIR
+from src.run.layout import CHECKPOINT_DIR
 from src.utils import lightning_compat as compat
 from src.utils.pylogger import RankedLogger
 
@@ -54,6 +54,8 @@ class LastCheckpoint(ModelCheckpoint):
         self._stopping_under: list | None = None  # saved while should_stop was set: the fit's limits then
         self._resumed_stopping_under: list | None = None
         self.mid_epoch = True  # this fit's training loader resumes mid-epoch (set at its start)
+        # the stop of a signal that came after the fit's last check, or None (set by src.runtime.sigterm's handlers)
+        self.late_stop: Callable[[L.Trainer], Callable[[], Any] | None] | None = None
 
     @property
     def path(self) -> Path:
@@ -150,12 +152,8 @@ class LastCheckpoint(ModelCheckpoint):
         for logger in trainer.loggers:  # what the run logged is on disk before the checkpoint that ends it
             logger.save()
         self.save(trainer, final=True)  # also after an epoch-end save: the loops now count that epoch as done
-        if self._stop is None:
-            from src.runtime.sigterm import late_stop_signal, stop_for_preemption  # it builds on this module
-
-            late = late_stop_signal(trainer)
-            if late:  # a signal after the last check: the job stops here, before any test
-                self._stop = lambda: stop_for_preemption(trainer, late)
+        if self._stop is None and self.late_stop is not None:  # a signal after the last check: the job stops
+            self._stop = self.late_stop(trainer)  # here, before any test
         if self._stop is not None:  # the fit ended where a stop waited: the stop keeps the final save
             self._make_stop(trainer)
 

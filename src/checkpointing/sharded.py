@@ -37,10 +37,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from src.checkpointing.io import (
+from src.checkpointing.files import (
     TEMP_DIR_SUFFIX,
     cleanup_stale_temp_files,
-    load_checkpoint_file,
+    load_checkpoint_single_file,
     temp_prefix,
 )
 from src.checkpointing.optimizer_state import indexed_optimizer_state
@@ -134,7 +134,7 @@ def saved_shapes(path: str | os.PathLike, prefix: str = "state_dict.") -> dict[s
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    return load_checkpoint_file(Path(path) / META_FILE)
+    return load_checkpoint_single_file(Path(path) / META_FILE)
 
 
 def read_sharded(path: str | os.PathLike) -> dict[str, Any]:

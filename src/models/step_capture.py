@@ -48,7 +48,7 @@ from src.utils import lightning_compat as compat
 from src.utils.pylogger import RankedLogger
 
 if TYPE_CHECKING:
-    from src.models.step_module import StepOutput
+    from src.models.step_output import StepOutput
 
 log = RankedLogger(__name__)
 

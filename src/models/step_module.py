@@ -14,7 +14,7 @@ updates race-free and exact.
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 from lightning import Callback, LightningModule, Trainer
@@ -24,20 +24,13 @@ from torchmetrics import Metric
 from src.models import owned_step
 from src.models.optimizers import build_optimizer
 from src.models.owned_step import OwnedStep
+from src.models.step_output import StepOutput
 from src.utils import lightning_compat as compat
 from src.utils.seeding import rank_seed
 
 __all__ = ["STAGES", "StepMachinery", "StepModule", "StepOutput"]
 
 STAGES = ("train", "val", "test")
-
-
-class StepOutput(TypedDict):
-    """What ``model_step`` returns; the dp and pipeline strategies gather and pass it to ``record_step``."""
-
-    loss: Tensor  # mean loss over the samples of this (sub-)batch
-    output: Tensor  # network output, one row per sample
-    target: Tensor
 
 
 def prepare(module: StepModule, device_type: str) -> None:

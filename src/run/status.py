@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from src.run.layout import CHECKPOINT_DIR, LAST_CHECKPOINT  # noqa: F401 - also this module's names
 from src.runtime.launch_context import launch_context
 from src.utils.hooks import EndsRunAs
 
@@ -32,8 +33,6 @@ if TYPE_CHECKING:  # imported by the run-dir Hydra callback, before logging is s
     from omegaconf import DictConfig
 
 STATUS_FILE = "status.yaml"
-CHECKPOINT_DIR = "checkpoints"  # <run dir>/checkpoints: every fit of the run saves there
-LAST_CHECKPOINT = Path(CHECKPOINT_DIR) / "last.ckpt"  # a file, or trainer=fsdp's folder of shards
 PREDICTIONS_FILE = "predictions.csv"  # <run dir>/predictions.csv: src/predict.py's rows
 RUNNING, FINISHED, PREEMPTED, FAILED, DIED = "running", "finished", "preempted", "failed", "died"
 INTERRUPTED = "interrupted"  # Ctrl-C

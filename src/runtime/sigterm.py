@@ -44,7 +44,12 @@ import torch.distributed as dist
 from lightning import Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from src.checkpointing.last_checkpoint import last_checkpoint_path, run_position, saves_mid_epoch
+from src.checkpointing.last_checkpoint import (
+    LastCheckpoint,
+    last_checkpoint_path,
+    run_position,
+    saves_mid_epoch,
+)
 from src.runtime.launch_context import launch_context
 from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
@@ -131,6 +136,12 @@ def late_stop_signal(trainer: Trainer) -> int:
     if not isinstance(sync, SigtermSync) or (trainer.world_size > 1 and sync.on_signal is not stop_for_preemption):
         return 0
     return sync.final_agreement()
+
+
+def late_stop(trainer: Trainer) -> Callable[[], NoReturn] | None:
+    """What :class:`LastCheckpoint` runs at the end of fit when :func:`late_stop_signal` found a signal (None: none)."""
+    late = late_stop_signal(trainer)
+    return (lambda: stop_for_preemption(trainer, late)) if late else None
 
 
 def stop_exit_code(err: SIGTERMException) -> int:
@@ -332,6 +343,9 @@ def install_stop_handlers(trainer: Trainer, every_n_batches: int,
     sync = SigtermSync(trainer, every_n_batches, on_signal)
     note = SigtermNote(sync)
     compat.replace_sigterm_check(trainer, sync, note)
+    for callback in trainer.callbacks:  # the end of fit agrees once more on a signal after the last check
+        if isinstance(callback, LastCheckpoint):
+            callback.late_stop = late_stop
     if _early_stop:  # received while this rank started: agreed at the first check
         log.info(f"Received {signal.Signals(_early_stop).name} while starting; the job saves and stops at the next "
                  "check", rank=None)

@@ -15,6 +15,7 @@ from functools import cache
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.strategies import Strategy
 from torch.nn.parallel import DistributedDataParallel
 
 from src.utils.errors import ConfigError
@@ -38,12 +39,14 @@ def accepted_options(strategy: type) -> frozenset[str]:
     return frozenset(names)
 
 
-def _project_strategies() -> Iterable[type]:
-    """The project's strategies that a ``trainer=<strategy_name>`` config builds."""
-    from src import strategies  # imported when asked: the strategies import this module
-
-    found = (getattr(strategies, name) for name in strategies.__all__)
-    return (s for s in found if getattr(s, "strategy_name", None))
+def _project_strategies(base: type = Strategy) -> Iterable[type]:
+    """The project's strategies that a ``trainer=<strategy_name>`` config builds: the subclasses of Lightning's
+    ``Strategy`` in ``src`` that name themselves (loaded by now: every strategy module is in ``src.strategies``,
+    whose ``__init__`` imports them all)."""
+    for sub in base.__subclasses__():
+        if sub.__module__.startswith("src.") and vars(sub).get("strategy_name"):
+            yield sub
+        yield from _project_strategies(sub)
 
 
 def refuse_foreign_options(strategy: type, options: Mapping[str, Any]) -> None:
