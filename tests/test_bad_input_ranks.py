@@ -36,7 +36,7 @@ def run_job(*overrides: str, timeout: int) -> subprocess.CompletedProcess:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=60)  # bounded too: a process of another session could hold the pipes
         pytest.fail(f"the job hung for {timeout} s (a rank never exited):\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

@@ -9,6 +9,7 @@ resumable (last.ckpt).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -39,17 +40,26 @@ def ranks(proc) -> dict[int, psutil.Process]:
                          ids=["rank-1-dies", "rank-0-dies", "rank-1-freezes", "fsdp-rank-1-dies", "fsdp-rank-1-freezes"])
 def test_a_failed_rank_ends_the_job_and_is_named(tmp_path, victim, fault, strategy):
     proc = start(tmp_path, f"trainer={strategy}", *LONG)
-    assert wait_for_checkpoint(proc, tmp_path)
-    procs = ranks(proc)
-    hit = procs[victim]
-    os.kill(hit.pid, fault)
-    began = time.monotonic()
-    if victim == 0:  # the user's process is the victim; what is left to watch is rank 1
-        procs[1].wait(timeout=60)
-        code = None
-    else:
-        code = finish(proc, timeout=60)
-    took = time.monotonic() - began
+    procs = {}
+    try:
+        assert wait_for_checkpoint(proc, tmp_path)
+        procs = ranks(proc)
+        hit = procs[victim]
+        os.kill(hit.pid, fault)
+        began = time.monotonic()
+        if victim == 0:  # the user's process is the victim; what is left to watch is rank 1
+            procs[1].wait(timeout=60)
+            code = None
+        else:
+            code = finish(proc, timeout=60)
+        took = time.monotonic() - began
+    finally:  # pass or fail, no rank outlives the test (rank 1 is in rank 0's session; a dead rank 0 leaves it)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in procs.values():
+            with contextlib.suppress(psutil.Error):
+                if p.is_running():
+                    p.kill()
     bound = 5 + 10 if fault == signal.SIGSTOP else 10  # hang_timeout_s + slack; a death is seen at once
     assert took < bound, f"the job took {took:.1f} s to end"
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs.values()), \
