@@ -17,6 +17,7 @@ from src.data.components.in_memory import InMemoryDataset, keep_batch
 from src.data.components.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
 from src.data.toy_datamodule import ToyDataModule
 from tests.helpers.multiprocess import run_workers
+from tests.helpers.run_if import gpu_test
 
 N, GLOBAL = 50, 12  # 4 global batches; the last 2 samples are dropped
 
@@ -197,3 +198,24 @@ def test_real_gloo_ranks_cut_the_one_process_global_batches():
     ranks = run_workers(gloo_rank_batches, 2)
     one = [y.tolist() for _, y in batches(make_loader(None), 1)]
     assert [a + b for a, b in zip(*ranks, strict=True)] == one
+
+
+@gpu_test(1)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_device_batches_on_a_gpu_equal_the_host_path_and_never_sync(replicas):
+    """On a GPU: the batches cut there are the per-batch-copy path's, and a whole epoch of them (the one copy of
+    its order included) runs under ``set_sync_debug_mode("error")``: no host-device sync anywhere."""
+    data = dataset(device="cuda")
+    for rank in range(replicas):
+        host = batches(make_loader(None, replicas, rank, data=data), 1)
+        loader = make_loader("cuda", replicas, rank, data=data)
+        batches(loader, 0)  # warm-up: the first pinned allocation and kernels
+        torch.cuda.synchronize()
+        loader.sampler.set_epoch(1)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            device = list(loader)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(x.is_cuda and y.is_cuda for x, y in device)
+        assert_same(device, host)
