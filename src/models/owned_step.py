@@ -201,7 +201,7 @@ class OwnedStep:
             strategy.pre_backward(loss)  # DDP readies its reducer here
             self.backward(loss)
             strategy.post_backward(loss)
-            with compat.counted_manual_step(optimizer):
+            with compat.counted_manual_step(self.trainer):
                 optimizer.optimizer.step()
         else:
             self.manual_backward(loss)

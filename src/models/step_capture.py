@@ -286,7 +286,7 @@ class StepCapture:
                 return None
             self.graph.replay()
         else:
-            with compat.counted_manual_step(optimizer):
+            with compat.counted_manual_step(self.module.trainer):
                 self.graph.replay()
         self.replayed += 1
         return self.static_out

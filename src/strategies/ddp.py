@@ -24,6 +24,7 @@ Everything else (cluster environments, gradient sync, torchrun/SLURM detection) 
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
 from typing import Any
 
@@ -61,13 +62,14 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife,
         refuse_foreign_options(type(self), kwargs)
         timeout = collective_timeout(timeout)
         super().__init__(*args, timeout=timeout, **kwargs)
+        self.start_method = start_method_from(self, *args, timeout=timeout, **kwargs)  # popen, spawn, fork, forkserver
         self.init_process_life(sigterm_check_every_n_batches, hang_timeout_s, timeout,
                                kwargs.get("process_group_backend"))
 
     def build_launcher(self) -> PreflightSubprocessLauncher | PreflightMultiprocessingLauncher:
         """Lightning's choice of launcher (as its own DDPStrategy makes it), with the pre-flight added."""
         self.follow_torchrun_nodes()
-        start_method = compat.start_method_of(self)
+        start_method = self.start_method
         if start_method == "popen":
             return PreflightSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         return PreflightMultiprocessingLauncher(self, start_method=start_method)
@@ -75,7 +77,7 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife,
     def check_before_launch(self, trainer: pl.Trainer, model: pl.LightningModule,
                             datamodule: pl.LightningDataModule | None = None) -> None:
         """What this strategy checks before any rank starts (:func:`src.strategies.launchers.preflight`)."""
-        if compat.start_method_of(self) in ("fork", "forkserver") and torch.cuda.is_initialized():
+        if self.start_method in ("fork", "forkserver") and torch.cuda.is_initialized():
             raise ConfigError("trainer.strategy.start_method=fork: CUDA is already initialized in this process, and a "
                               "forked rank cannot use it; fix: use trainer=ddp (or ddp_spawn) on GPUs")
         if compat.layer_sync_of(self) is not None and self.root_device.type != "cuda":
@@ -90,3 +92,9 @@ class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife,
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         install_sigterm_agreement(trainer, self.sigterm_check_every_n_batches)
+
+
+def start_method_from(*args: Any, **kwargs: Any) -> str:
+    """The ``start_method`` Lightning's DDPStrategy takes from these arguments (its own default when not given)."""
+    signature = inspect.signature(LightningDDPStrategy.__init__)
+    return signature.bind(*args, **kwargs).arguments.get("start_method", signature.parameters["start_method"].default)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging.config
 import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -114,14 +116,33 @@ class PreflightSubprocessLauncher(compat.SubprocessScriptLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         _preflight_launch(trainer, args, fresh_store=False)
-        with compat.hydra_child_command(child_command), _local_store_for_this_launch():
+        with _local_store_for_this_launch():
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
             if not self.cluster_environment.creates_processes_externally:
-                compat.start_child_ranks(self)
+                self.start_child_ranks()
                 if self.guards_children:
                     guard_child_ranks(self.procs)
             compat.set_num_threads_if_needed(self.num_processes)
             return function(*args, **kwargs)
+
+    def start_child_ranks(self) -> None:
+        """Start this node's other ranks, as Lightning's popen launcher does: each re-runs the command (under Hydra,
+        this job's: :func:`child_command`) with the rendezvous and its local rank in its environment."""
+        if self.procs:
+            raise RuntimeError("The launcher can only create subprocesses once.")
+        environment = self.cluster_environment
+        if environment.local_rank() != 0:
+            raise RuntimeError("a rank with LOCAL_RANK > 0 was asked to start ranks; fix: do not set LOCAL_RANK for "
+                               "the process that starts the run")
+        os.environ["MASTER_ADDR"] = environment.main_address
+        os.environ["MASTER_PORT"] = str(environment.main_port)
+        os.environ["NODE_RANK"] = str(environment.node_rank())
+        os.environ["LOCAL_RANK"] = str(environment.local_rank())
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        for local_rank in range(1, self.num_processes):
+            env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            command, cwd = child_command(local_rank) if _hydra_initialized() else (_plain_command(), None)
+            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
 
 
 class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
@@ -242,6 +263,21 @@ class PSSubprocessLauncher(PreflightSubprocessLauncher):
 # join. The job's other settings (hydra.job.chdir, hydra.job.env_set...) pass on: every rank runs the same job.
 _PARENT_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.job.name", "hydra.job.id", "hydra.job.num",
                 "hydra.output_subdir", "hydra/sweeper", "hydra/launcher", "hydra.sweeper", "hydra.launcher")
+
+
+def _hydra_initialized() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized()
+
+
+def _plain_command() -> list[str]:
+    """This process's own command line (outside Hydra): a child rank re-runs it."""
+    import __main__
+
+    if __main__.__spec__ is None:
+        return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+    return [sys.executable, "-m", __main__.__spec__.name, *sys.argv[1:]]
 
 
 def child_command(local_rank: int) -> tuple[list[str], str]:

@@ -18,7 +18,6 @@ from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingle
 
 from src.checkpointing.io import AtomicCheckpointIODefault
 from src.strategies.options import refuse_foreign_options
-from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 
 
@@ -39,6 +38,13 @@ class SingleDeviceStrategy(AtomicCheckpointIODefault, LightningSingleDeviceStrat
         super().__init__(device="cpu" if device is None else device, **kwargs)
         self._chosen_by_trainer = device is None
 
+    _device_from_trainer: torch.device | None = None  # the Trainer's device, once it gave one
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device given, or the Trainer's (Lightning sets its own only in ``__init__``)."""
+        return super().root_device if self._device_from_trainer is None else self._device_from_trainer
+
     @property
     def parallel_devices(self) -> list[torch.device] | None:
         """The Trainer fills this in when no device was given (its accelerator connector looks for it)."""
@@ -49,5 +55,5 @@ class SingleDeviceStrategy(AtomicCheckpointIODefault, LightningSingleDeviceStrat
         if len(devices) != 1:
             raise ConfigError(f"trainer.devices={len(devices)} but this trainer config runs one device; fix: use "
                               f"trainer=ddp (or dp, pipeline) for several devices, or set trainer.devices=1")
-        compat.set_root_device(self, devices[0])
+        self._device_from_trainer = devices[0]
         self._chosen_by_trainer = False

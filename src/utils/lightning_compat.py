@@ -1,11 +1,11 @@
-"""Every private Lightning and torch name the project touches, in one place, checked at import.
+"""The private Lightning and torch names the project still touches, each behind one small accessor.
 
-This module holds names and guards only: each private name is reached through one small accessor or
-alias below, and the features that use them live with their owners (the launchers in
-:mod:`src.strategies.launchers`, the SIGTERM agreement in :mod:`src.runtime.sigterm`, dp replicas in
-:mod:`src.strategies.dp.shards`). All were checked against lightning 2.6.6 and torch 2.14.1 (and run with
-torch 2.11 on a GPU machine). If a release renames one of these names, importing this module fails
-with one line naming the version and the feature, never a silent no-op.
+Each accessor checks its private names when its feature runs (:func:`require`, on the live object), so a release
+that renames one breaks that feature with one line naming the version and the feature, and nothing else. Only the
+two launcher base classes are looked up at import (the project's launchers subclass them). Where Lightning or torch has a public way (the loops' progress counters, the profiler,
+``dist.get_backend``, ``move_data_to_device``, a property override) the project uses it instead;
+``tests/test_private_names.py`` counts what remains by scanning the code. Checked against lightning 2.6.6 and
+torch 2.14.1 (and run with torch 2.11 on a GPU machine).
 """
 
 from __future__ import annotations
@@ -14,23 +14,20 @@ import contextlib
 import ctypes
 import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import lightning
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities import distributed as fabric_distributed
-from lightning.fabric.utilities import optimizer as fabric_optimizer
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Timer
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.loops import fit_loop, training_epoch_loop
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
 from lightning.pytorch.strategies.launchers import subprocess_script
-from lightning.pytorch.trainer.connectors import accelerator_connector, signal_connector
-from torch import nn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.device_mesh import DeviceMesh
@@ -85,130 +82,30 @@ def _code_names(function: Callable, seen: frozenset[int] = frozenset()) -> set[s
     return names
 
 
-def SetInInit(cls: type) -> CodeNames:  # noqa: N802 - reads like the class it stands for
-    """The instance attributes ``cls``'s ``__init__`` methods assign (nothing is built)."""
-    inits = [k.__dict__["__init__"] for k in cls.__mro__ if callable(k.__dict__.get("__init__"))
-             and hasattr(inspect.unwrap(k.__dict__["__init__"]), "__code__")]
-    return CodeNames(cls.__name__, *inits)
-
-
 def CalledIn(function: Callable) -> CodeNames:  # noqa: N802
     """The names ``function`` refers to: proves Lightning still *uses* a name the project swaps."""
     return CodeNames(function.__qualname__, function)
 
 
-# (where to look, name, what needs it); "where" is called when checked
-PRIVATE_NAMES: tuple[tuple[Callable[[], Any], str, str], ...] = (
-    (lambda: subprocess_script, "_hydra_subprocess_cmd", "the per-job Hydra child command"),
-    (lambda: subprocess_script, "_SubprocessScriptLauncher", "the pre-flight launcher (popen)"),
-    (lambda: subprocess_script._SubprocessScriptLauncher, "_call_children_scripts", "the per-job Hydra child command"),
-    (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher._call_children_scripts), "_hydra_subprocess_cmd",
-     "the per-job Hydra child command"),
-    (lambda: mp_launcher, "_MultiProcessingLauncher", "the pre-flight launcher (spawn)"),
-    (lambda: DDPStrategy, "_configure_launcher", "the pre-flight launcher"),
-    (lambda: accelerator_connector, "_AcceleratorConnector", "the pre-flight launcher"),
-    (lambda: accelerator_connector._AcceleratorConnector, "_lazy_init_strategy", "the pre-flight launcher"),
-    (lambda: CalledIn(accelerator_connector._AcceleratorConnector._lazy_init_strategy), "_configure_launcher",
-     "the pre-flight launcher"),
-    (lambda: SetInInit(DDPStrategy), "_launcher", "the pre-flight launcher"),
-    (lambda: SetInInit(DDPStrategy), "_start_method", "the pre-flight launcher"),
-    (lambda: SetInInit(DDPStrategy), "_layer_sync", "refusing sync_batchnorm where it cannot apply"),
-    (lambda: training_epoch_loop, "_TrainingEpochLoop", "the agreed SIGTERM stop"),
-    (lambda: training_epoch_loop._TrainingEpochLoop, "_broadcast_sigterm_tensor", "the agreed SIGTERM stop"),
-    (lambda: CalledIn(training_epoch_loop._TrainingEpochLoop.advance), "_broadcast_sigterm_tensor",
-     "the agreed SIGTERM stop"),
-    (lambda: training_epoch_loop._TrainingEpochLoop, "_num_ready_batches_reached",
-     "a plateau scheduler stepped before the epoch's checkpoint"),
-    (lambda: training_epoch_loop._TrainingEpochLoop, "_should_check_val_fx",
-     "no periodic last.ckpt between a step and the validation due after it"),
-    (lambda: fit_loop, "_FitLoop", "no periodic last.ckpt between a step and the validation due after it"),
-    (lambda: fit_loop._FitLoop, "_can_stop_early", "a stop signal waiting for the fit's final save"),
-    (lambda: SetInInit(Timer), "_duration", "a fit stopped by max_time, resumed under the same limit"),
-    (lambda: SetInInit(fit_loop._FitLoop), "_data_fetcher",
-     "no periodic last.ckpt between a step and the validation due after it"),
-    (lambda: SetInInit(Trainer), "_logger_connector", "an epoch's training row written before its last.ckpt"),
-    (lambda: SetInInit(training_epoch_loop._TrainingEpochLoop), "_batches_that_stepped",
-     "an epoch's training row written before its last.ckpt"),
-    (lambda: CalledIn(fit_loop._FitLoop.on_advance_end), "update_train_epoch_metrics",
-     "an epoch's training row written before its last.ckpt"),
-    (lambda: CalledIn(fit_loop._FitLoop.on_advance_end), "_batches_that_stepped",
-     "an epoch's training row written before its last.ckpt"),
-    (lambda: signal_connector, "_SignalConnector", "the agreed SIGTERM stop"),
-    (lambda: signal_connector._SignalConnector, "_sigterm_notifier_fn", "the agreed SIGTERM stop"),
-    (lambda: CalledIn(signal_connector._SignalConnector.register_signal_handlers), "_sigterm_notifier_fn",
-     "the agreed SIGTERM stop"),
-    (lambda: SetInInit(signal_connector._SignalConnector), "received_sigterm", "the SIGTERM stop outside fit"),
-    (lambda: SetInInit(Trainer), "_signal_connector", "the agreed SIGTERM stop"),
-    (lambda: SetInInit(LightningModule), "_current_fx_name", "fast hook-name writes"),
-    (lambda: SetInInit(LightningOptimizer), "_on_before_step", "counting a replayed (captured) step"),
-    (lambda: SetInInit(LightningOptimizer), "_on_after_step", "counting a replayed (captured) step"),
-    (lambda: SetInInit(DDPStrategy), "_model_averager", "the owned step's direct optimizer step"),
-    (lambda: fabric_optimizer, "_optimizers_to_device", "moving a pipeline stage's optimizer state"),
-    (lambda: nn.Module, "_replicate_for_data_parallel", "dp replicas on CPU"),
-    (lambda: SetInInit(nn.Module), "_parameters", "dp replicas on CPU"),
-    (lambda: SetInInit(nn.Module), "_buffers", "dp replicas on CPU"),
-    (lambda: SetInInit(nn.Module), "_modules", "dp replicas on CPU"),
-    (lambda: nn.Module, "_compiled_call_impl", "dp refusing compiled modules"),
-    (lambda: SetInInit(LightningModule), "_device", "dp replicas on their own devices"),
-    (lambda: SetInInit(Strategy), "_checkpoint_io", "atomic checkpoint saves by default"),
-    (lambda: SetInInit(SingleDeviceStrategy), "_root_device", "the single-device strategy taking the Trainer's device"),
-    (lambda: dist.ProcessGroup, "_get_backend", "the pipelined ring all-reduce (coalesced sends on nccl)"),
-    (lambda: ModelParallelStrategy, "_configure_launcher", "the fsdp pre-flight launcher"),
-    (lambda: SetInInit(ModelParallelStrategy), "_launcher", "the fsdp pre-flight launcher"),
-    (lambda: SetInInit(ModelParallelStrategy), "_data_parallel_size", "the fsdp device mesh"),
-    (lambda: SetInInit(ModelParallelStrategy), "_tensor_parallel_size", "the fsdp device mesh"),
-    (lambda: SetInInit(DeviceMesh), "_pg_registry", "fsdp's sub-groups released before the group is destroyed"),
-    (lambda: SetInInit(DeviceMesh), "_root_mesh", "fsdp's sub-groups released before the group is destroyed"),
-    (lambda: torch.serialization, "_get_layout", "reading sharded checkpoints' metadata without running code"),
-    (lambda: dcp_filesystem, "_StorageInfo", "reading sharded checkpoints' metadata without running code"),
-    (lambda: dcp_metadata, "_MEM_FORMAT_ENCODING", "reading sharded checkpoints' metadata without running code"),
-    (lambda: dist.distributed_c10d, "_get_default_group", "naming a stuck rank (collectives it entered)"),
-    (lambda: dist.ProcessGroup, "_get_sequence_number_for_group", "naming a stuck rank (collectives it entered)"),
-    (lambda: torch, "_C", "a stuck rank's flight-recorder record"),
-    (lambda: torch._C, "_distributed_c10d", "a stuck rank's flight-recorder record"),
-    (lambda: torch._C._distributed_c10d, "_dump_fr_trace", "a stuck rank's flight-recorder record"),
-    (lambda: fabric_distributed, "_set_num_threads_if_needed", "the ps launcher"),
-    (lambda: SetInInit(Metric), "_reductions", "a running metric resumed on another number of ranks"),
-    (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_call_children_scripts",
-     "the popen launchers (Lightning's launch with the project's guard over child ranks)"),
-    (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_set_num_threads_if_needed",
-     "the popen launchers (Lightning's launch with the project's guard over child ranks)"),
-    (lambda: CalledIn(subprocess_script._SubprocessScriptLauncher.launch), "_launch_process_observer",
-     "the popen launchers (Lightning's launch with the project's guard over child ranks)"),
-)
-
-
-def check_private_names(names: tuple[tuple[Callable[[], Any], str, str], ...] = PRIVATE_NAMES) -> None:
-    """Check every private name the project uses; runs at import (tests run it with names taken away)."""
-    for where, name, feature in names:
-        require(where(), name, feature)
-
-
 # -- launchers ---------------------------------------------------------------------------------------------
-SubprocessScriptLauncher = subprocess_script._SubprocessScriptLauncher  # popen: re-runs the command per rank
-MultiProcessingLauncher = mp_launcher._MultiProcessingLauncher  # spawn / fork
-_HYDRA_CHILD_COMMAND = "_hydra_subprocess_cmd"  # subprocess_script: builds a child rank's command under Hydra
+def _launcher_class(module: Any, name: str, feature: str) -> type:
+    require(module, name, feature)
+    return getattr(module, name)
 
 
-@contextlib.contextmanager
-def hydra_child_command(command: Callable[[int], tuple[list[str], str]]) -> Iterator[None]:
-    """Within the block, Lightning starts child ranks under Hydra with ``command(local_rank)``."""
-    previous = getattr(subprocess_script, _HYDRA_CHILD_COMMAND)
-    setattr(subprocess_script, _HYDRA_CHILD_COMMAND, command)
-    try:
-        yield
-    finally:
-        setattr(subprocess_script, _HYDRA_CHILD_COMMAND, previous)
-
-
-def start_child_ranks(launcher: SubprocessScriptLauncher) -> None:
-    """Lightning's popen launcher starts this node's other ranks (re-running the command), and nothing else."""
-    launcher._call_children_scripts()
+# the base classes of the project's launchers (src.strategies.launchers), looked up when that module defines them
+SubprocessScriptLauncher = _launcher_class(subprocess_script, "_SubprocessScriptLauncher", "the popen launcher")
+MultiProcessingLauncher = _launcher_class(mp_launcher, "_MultiProcessingLauncher", "the spawn launcher")
 
 
 def set_num_threads_if_needed(num_processes: int) -> None:
-    """Lightning's choice of torch threads per process when it starts ``num_processes`` on one machine."""
-    fabric_distributed._set_num_threads_if_needed(num_processes=num_processes)
+    """Lightning's choice of torch threads per process when it starts ``num_processes`` on one machine: the CPUs
+    this process may use, shared out, unless ``OMP_NUM_THREADS`` says otherwise."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cpus // max(1, num_processes))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 class BuildsLauncher:
@@ -225,6 +122,8 @@ class BuildsLauncher:
 def set_mesh_sizes(strategy: ModelParallelStrategy, data_parallel: int, tensor_parallel: int) -> None:
     """The ``data_parallel x tensor_parallel`` mesh Lightning builds in ``setup_environment``, once the world size is
     known (its ``"auto"`` puts every device of a node on the tensor-parallel axis)."""
+    for name in ("_data_parallel_size", "_tensor_parallel_size"):
+        require(strategy, name, "the fsdp device mesh")
     strategy._data_parallel_size = data_parallel
     strategy._tensor_parallel_size = tensor_parallel
 
@@ -232,14 +131,11 @@ def set_mesh_sizes(strategy: ModelParallelStrategy, data_parallel: int, tensor_p
 def forget_mesh_groups(mesh: DeviceMesh) -> None:
     """Drop the process groups a DeviceMesh (and its root) holds: the last Python references to its sub-groups,
     so destroying the default group joins their gloo threads (:mod:`src.runtime.exit_cleanup`)."""
-    for holder in (mesh, getattr(mesh, "_root_mesh", None)):
+    require(mesh, "_root_mesh", "fsdp's sub-groups released before the group is destroyed")
+    for holder in (mesh, mesh._root_mesh):
         if holder is not None:
+            require(holder, "_pg_registry", "fsdp's sub-groups released before the group is destroyed")
             holder._pg_registry.clear()
-
-
-def start_method_of(strategy: DDPStrategy) -> str:
-    """The ``start_method`` a Lightning DDPStrategy was given (popen, spawn, fork, forkserver)."""
-    return strategy._start_method
 
 
 _CHECKPOINT_IO = "_checkpoint_io"  # Strategy: the CheckpointIO given to it (None: Lightning's default)
@@ -247,16 +143,13 @@ _CHECKPOINT_IO = "_checkpoint_io"  # Strategy: the CheckpointIO given to it (Non
 
 def given_checkpoint_io(strategy: Strategy) -> Any:
     """The CheckpointIO passed to ``strategy`` or set by the Trainer's ``plugins``, or None."""
+    require(strategy, _CHECKPOINT_IO, "atomic checkpoint saves by default")
     return getattr(strategy, _CHECKPOINT_IO)
 
 
 def set_checkpoint_io(strategy: Strategy, io: Any) -> None:
+    require(strategy, _CHECKPOINT_IO, "atomic checkpoint saves by default")
     setattr(strategy, _CHECKPOINT_IO, io)
-
-
-def set_root_device(strategy: SingleDeviceStrategy, device: torch.device) -> None:
-    """Point a single-device strategy at ``device`` after it was built (Lightning sets it only in ``__init__``)."""
-    strategy._root_device = device
 
 
 def accept_sync_batchnorm(strategy: Strategy) -> None:
@@ -281,6 +174,13 @@ def replace_sigterm_check(trainer: Trainer, per_batch_check: Callable[[], None],
 
     Must run before Lightning registers its signal handlers (the strategy's ``setup`` does).
     """
+    loop, feature = trainer.fit_loop.epoch_loop, "the agreed SIGTERM stop"
+    require(loop, _PER_BATCH_CHECK, feature)
+    require(CalledIn(type(loop).advance), _PER_BATCH_CHECK, feature)
+    require(trainer, "_signal_connector", feature)
+    connector = trainer._signal_connector
+    require(connector, _SIGTERM_HANDLER, feature)
+    require(CalledIn(type(connector).register_signal_handlers), _SIGTERM_HANDLER, feature)
     setattr(trainer.fit_loop.epoch_loop, _PER_BATCH_CHECK, per_batch_check)
     setattr(trainer._signal_connector, _SIGTERM_HANDLER, handler)
 
@@ -292,6 +192,7 @@ def per_batch_check_of(trainer: Trainer) -> Any:
 
 def mark_sigterm_received(trainer: Trainer) -> None:
     """Tell Lightning this rank was signalled, so it stops (and its callbacks see it) as after its own handler."""
+    require(trainer, "_signal_connector", "the SIGTERM stop")
     trainer._signal_connector.received_sigterm = True
 
 
@@ -336,15 +237,19 @@ def skip_nvml_check_without_nvml(load: Callable[[str], Any] = ctypes.CDLL) -> bo
 def state_reductions(metric: Metric) -> dict[str, Callable | None]:
     """How a torchmetrics ``metric`` reduces each of its states across ranks (its ``dist_reduce_fx``, as a function
     of the states stacked along dim 0, e.g. ``torchmetrics.utilities.data.dim_zero_sum``)."""
+    require(metric, "_reductions", "a running metric resumed on another number of ranks")
     return dict(metric._reductions)
 
 
 def backend_supports_coalescing(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether ``group``'s backend for ``device`` batches point-to-point calls (nccl does, gloo does not)."""
     try:
-        return bool(getattr(group._get_backend(device), "supports_coalescing", False))
-    except (RuntimeError, AttributeError):  # no backend registered for this device type
+        backend = dist.get_backend(group)  # "nccl", or "cpu:gloo,cuda:nccl" for a group of several backends
+    except (RuntimeError, ValueError):
         return False
+    if ":" in backend:
+        backend = dict(part.split(":", 1) for part in backend.split(",")).get(device.type, "")
+    return backend == "nccl" and device.type == "cuda"
 
 
 def collectives_entered() -> int:
@@ -355,19 +260,35 @@ def collectives_entered() -> int:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    group = dist.group.WORLD
+    require(group, "_get_sequence_number_for_group", "naming a stuck rank (collectives it entered)")
+    return int(group._get_sequence_number_for_group())
 
 
 def flight_recorder_dump() -> bytes:
     """torch's flight-recorder record of this process's collectives (a pickle; ``TORCH_FR_BUFFER_SIZE`` > 0
     must have been set before the process group was made): what ``python -m torch.distributed.flight_recorder.fr_trace``
     reads, as NCCL's own dump on a collective timeout writes it."""
+    feature = "a stuck rank's flight-recorder record"
+    require(torch, "_C", feature)
+    require(torch._C, "_distributed_c10d", feature)
+    require(torch._C._distributed_c10d, "_dump_fr_trace", feature)
     return torch._C._distributed_c10d._dump_fr_trace()
 
 
 def optimizers_to_device(optimizers: list, device: torch.device) -> None:
-    """Move every optimizer's state tensors to ``device`` (Lightning's own helper)."""
-    fabric_optimizer._optimizers_to_device(optimizers, device)
+    """Move every optimizer's state tensors to ``device``, as Lightning's strategies do: ``step`` stays where it is
+    (torch's optimizers want it on the CPU)."""
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the optimizer
+        for param, value in optimizer.state.items():
+            if isinstance(value, MutableMapping):
+                for key, item in value.items():
+                    if key != "step":
+                        value[key] = move_data_to_device(item, device)
+            else:
+                optimizer.state[param] = apply_to_collection(value, Tensor, move_data_to_device, device,
+                                                             allow_frozen=True)
 
 
 # -- dp: CPU replicas that share the root's parameters -------------------------------------------------
@@ -379,6 +300,8 @@ def replica_sharing_parameters(module: nn.Module) -> nn.Module:
     only device 0's replica shares the root's buffers. Built like ``torch.nn.parallel.replicate``,
     whose broadcast step needs CUDA.
     """
+    for name in ("_replicate_for_data_parallel", "_parameters", "_buffers", "_modules"):
+        require(module, name, "dp replicas on CPU")
     copies = {m: m._replicate_for_data_parallel() for m in module.modules()}
     for original, replica in copies.items():
         replica._parameters = dict(original._parameters)
@@ -389,6 +312,8 @@ def replica_sharing_parameters(module: nn.Module) -> nn.Module:
 
 def point_replica_at(replica: nn.Module, device: torch.device) -> None:
     """So ``self.device`` of a LightningModule/Metric replica made by ``nn.parallel.replicate`` is its own."""
+    if isinstance(replica, LightningModule):
+        require(replica, "_device", "dp replicas on their own devices")
     for sub in replica.modules():
         if "_device" in sub.__dict__:
             sub._device = device
@@ -400,6 +325,7 @@ def bound_forwards(module: nn.Module) -> list[str]:
     A replica copies the instance ``__dict__``, so such a forward would still run the original
     module's parameters instead of the replica's.
     """
+    require(module, "_compiled_call_impl", "dp refusing compiled modules")
     return [name or "<root>" for name, m in module.named_modules()
             if "forward" in m.__dict__ or m.__dict__.get("_compiled_call_impl") is not None]
 
@@ -410,6 +336,10 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
     dataclasses, ``torch.Size``, dtypes and layouts (by name), and paths. Nothing here runs code when called."""
     import pathlib
 
+    feature = "reading sharded checkpoints' metadata without running code"
+    for owner, name in ((dcp_metadata, "_MEM_FORMAT_ENCODING"), (dcp_filesystem, "_StorageInfo"),
+                        (torch.serialization, "_get_layout")):
+        require(owner, name, feature)
     meta = "torch.distributed.checkpoint.metadata"
     found: dict[tuple[str, str], Any] = {
         (meta, name): getattr(dcp_metadata, name)
@@ -427,13 +357,12 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
     return found
 
 
-check_private_names()
-
 
 def epoch_ran_to_end(trainer: Trainer) -> bool:
     """Whether the training epoch that is ending ran all its batches: Lightning's own test before it steps a
     plateau scheduler (a stop at ``max_steps`` mid-epoch does not step one)."""
-    return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return progress.current.ready == trainer.num_training_batches or progress.is_last_batch
 
 
 def validation_follows(trainer: Trainer) -> bool:
@@ -441,19 +370,27 @@ def validation_follows(trainer: Trainer) -> bool:
 
     A checkpoint saved before that validation skips it on resume: Lightning fast-forwards a validation that
     was due at the batch a fit restarts from."""
-    loop = trainer.fit_loop
+    loop, feature = trainer.fit_loop, "no periodic last.ckpt between a step and the validation due after it"
+    require(loop, "_data_fetcher", feature)
+    require(loop.epoch_loop, "_should_check_val_fx", feature)
     return loop._data_fetcher is not None and loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
 
 
 def fit_ends_on_should_stop(trainer: Trainer) -> bool:
     """Whether ``should_stop`` ends the fit at its next check: Lightning honours it once ``min_epochs`` and
     ``min_steps`` are met, and trains on until then."""
-    return trainer.should_stop and trainer.fit_loop._can_stop_early
+    loop = trainer.fit_loop
+    met_min_epochs = loop.epoch_progress.current.processed >= loop.min_epochs if loop.min_epochs else True
+    met_min_steps = loop.epoch_loop.global_step >= loop.min_steps if loop.min_steps else True
+    return trainer.should_stop and met_min_epochs and met_min_steps
 
 
 def timer_limits(trainer: Trainer) -> list[float | None]:
     """The ``max_time`` of each of the trainer's Timer callbacks, in seconds."""
-    return [cb._duration for cb in trainer.callbacks if isinstance(cb, Timer)]
+    timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
+    for timer in timers:
+        require(timer, "_duration", "a fit stopped by max_time, resumed under the same limit")
+    return [timer._duration for timer in timers]
 
 
 def log_training_epoch_now(trainer: Trainer) -> None:
@@ -464,6 +401,11 @@ def log_training_epoch_now(trainer: Trainer) -> None:
     Here the loop's own calls run early: the epoch's values reach the progress bar and callback metrics, the
     row is logged at the step Lightning logs an epoch's end at, and the results are reset, so the loop's
     later calls find nothing left to write."""
+    feature = "an epoch's training row written before its last.ckpt"
+    require(trainer, "_logger_connector", feature)
+    require(trainer.fit_loop.epoch_loop, "_batches_that_stepped", feature)
+    for name in ("update_train_epoch_metrics", "_batches_that_stepped"):  # the loop's own calls this runs early
+        require(CalledIn(type(trainer.fit_loop).on_advance_end), name, feature)
     connector, epoch_loop = trainer._logger_connector, trainer.fit_loop.epoch_loop
     connector.on_epoch_end()
     epoch_loop._batches_that_stepped -= 1
@@ -478,6 +420,7 @@ def strategy_adds_to_optimizer_step(strategy: Strategy) -> bool:
     DDP's post-local-SGD model averaging (``model_averaging_period``)."""
     step = type(strategy).optimizer_step
     if isinstance(strategy, DDPStrategy) and step is DDPStrategy.optimizer_step:
+        require(strategy, "_model_averager", "the owned step's direct optimizer step")
         return strategy._model_averager is not None
     return step is not Strategy.optimizer_step
 
@@ -488,13 +431,17 @@ _MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"  # Progress
 
 
 @contextlib.contextmanager
-def counted_manual_step(optimizer: LightningOptimizer) -> Iterator[None]:
-    """Around an optimizer step that runs without Lightning's ``optimizer.step()`` (a graph replay, or the owned
-    step's direct call): what that call does around the step. The manual-optimization progress counts it
-    (``global_step`` and checkpoints follow the count), and the profiler's ``optimizer_step`` entry times it."""
-    optimizer._on_before_step()
+def counted_manual_step(trainer: Trainer) -> Iterator[None]:
+    """Around an optimizer step that runs without Lightning's ``optimizer.step()`` under manual optimization (a
+    graph replay, or the owned step's direct call): what that call does around the step. The manual-optimization
+    progress counts it (``global_step`` and checkpoints follow the count), and the profiler's ``optimizer_step``
+    entry times it."""
+    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+    progress.increment_ready()
+    trainer.profiler.start("optimizer_step")
     yield
-    optimizer._on_after_step()
+    trainer.profiler.stop("optimizer_step")
+    progress.increment_completed()
 
 
 def carry_optimizer_steps(checkpoint: dict, to_manual: bool) -> None:
