@@ -23,6 +23,15 @@ from tests.helpers.config import ROOT, compose_cfg  # noqa: E402
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
 
+@pytest.fixture(autouse=True)
+def _no_launched_process_outlives_its_test():
+    """A test that fails while a run it launched still goes leaves nothing running for the next one."""
+    yield
+    from tests.helpers.training_runs import end_launched
+
+    end_launched()
+
+
 @pytest.fixture
 def cfg_train(tmp_path):
     """Default training config (Fashion-MNIST MLP), CPU, a few batches, output in tmp."""

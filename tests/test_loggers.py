@@ -185,3 +185,17 @@ def test_a_resume_sends_each_point_a_logger_lacks_once_wherever_the_kill_and_the
             sent = [(step, key, value) for step, metrics in calls if step >= resume_step
                     for key, value in held.unsent(metrics, step).items()]
             assert sorted(held_points + sent) == sorted(points), (cut, resume_step)
+
+
+@pytest.mark.fast
+def test_the_removed_wandb_logger_target_still_builds_lightnings_for_one_release(tmp_path):
+    """Configs written before 2026-12-02 name ``src.loggers.resumable.ResumableWandbLogger``: it builds
+    Lightning's WandbLogger and warns with the target to use (docs/migration.md)."""
+    pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    from src.loggers.resumable import ResumableWandbLogger
+
+    with pytest.warns(DeprecationWarning, match="lightning.pytorch.loggers.wandb.WandbLogger"):
+        logger = ResumableWandbLogger(save_dir=str(tmp_path), offline=True, id="old", resume="allow", prefix="")
+    assert type(logger) is WandbLogger and logger.version == "old"

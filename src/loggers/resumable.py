@@ -247,3 +247,14 @@ def mlflow_points_held(tracking_uri: str, run_id: str) -> HeldPoints:
         for metric in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
             held.add([key], metric.step)
     return held
+
+
+def ResumableWandbLogger(**kwargs: Any) -> Any:  # noqa: N802 - the removed class's name, kept for one release
+    """Removed on 2026-12-02 (docs/migration.md): W&B's own resume replaced it. Lightning's WandbLogger, with a
+    warning naming the config to change."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    warnings.warn("src.loggers.resumable.ResumableWandbLogger is removed (docs/migration.md); fix: set the logger's "
+                  "_target_ to lightning.pytorch.loggers.wandb.WandbLogger, as configs/logger/wandb.yaml does",
+                  DeprecationWarning, stacklevel=2)
+    return WandbLogger(**kwargs)

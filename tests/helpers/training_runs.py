@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,13 +27,27 @@ def start(log_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Pop
     return launch([sys.executable, str(ROOT / "src" / "train.py"), *TRAIN, *extra, f"paths.log_dir={log_dir}"], env)
 
 
+LAUNCHED: list[subprocess.Popen] = []  # ended by tests/conftest.py after each test, pass or fail
+
+
 def launch(command: list[str], env: dict | None = None) -> subprocess.Popen:
     """Start ``command`` in its own session; stderr goes to a file (a pipe nobody reads yet would fill and block)."""
     err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by finish(), after the process ends
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True,
                             start_new_session=True, env=env)
     proc.stderr_file = err
+    LAUNCHED.append(proc)
     return proc
+
+
+def end_launched() -> None:
+    """SIGKILL the session of every process :func:`launch` started that still runs (its ranks with it)."""
+    while LAUNCHED:
+        proc = LAUNCHED.pop()
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the pgid is its pid
+            proc.wait(timeout=60)
 
 
 def run_dirs(log_dir: Path) -> list[Path]:
@@ -60,8 +77,6 @@ def last_checkpoint(run_dir: Path) -> dict:
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return last_checkpoint(run_dir)["state_dict"]
-
-
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> int:
