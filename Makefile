@@ -10,7 +10,7 @@ ARGS ?=
 STAMP := .make/installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install train train-ddp train-ddp-spawn train-dp train-pipeline train-torchrun test test-fast test-slow \
+.PHONY: help install train train-ddp train-ddp-spawn train-dp train-pipeline train-torchrun test test-fast test-oldest test-slow \
         lint format clean synthetic-cifar10 gpu-check gpu-verify train-gpu-ddp train-multinode bench bench-full \
         clean-logs pre-commit
 
@@ -47,6 +47,14 @@ test: $(STAMP) ## Run the whole test suite: two test files at a time (pytest-xdi
 
 test-fast: $(STAMP) ## Run the quick subset (pytest -m fast)
 	$(PYTHON) -m pytest -q -m fast
+
+# The oldest Lightning pyproject.toml allows, in .venv-oldest (the installed packages, Lightning replaced)
+LIGHTNING_FLOOR = $(shell $(PYTHON) -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print(next(re.search(r'>=([^,]+)', d).group(1) for d in deps if d.startswith('lightning')))")
+
+test-oldest: $(STAMP) ## Run the quick subset on the oldest Lightning pyproject.toml allows (.venv-oldest)
+	[ -x .venv-oldest/bin/python ] || $(PYTHON) -m venv --system-site-packages .venv-oldest
+	.venv-oldest/bin/pip install --quiet "lightning==$(LIGHTNING_FLOOR)"
+	.venv-oldest/bin/python -m pytest -q -m fast
 
 test-slow: $(STAMP) ## Run only the multi-process / multi-epoch tests
 	$(PYTHON) -m pytest -q -m slow

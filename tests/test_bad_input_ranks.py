@@ -106,7 +106,7 @@ def test_several_nodes_without_a_launcher_fail_in_one_line_on_node_0(tmp_path, m
     started = time.monotonic()
     line = one_line_exit_2(start_second_node(tmp_path, {}))
     assert "trainer.num_nodes=2" in line and "torchrun --nnodes=2" in line, line
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 180  # far under the process-group start's wait; loaded CI machines are slow
 
 
 @pytest.mark.fast

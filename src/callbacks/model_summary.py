@@ -26,7 +26,7 @@ class RichModelSummary(callbacks.RichModelSummary):
         trainable_parameters: int,
         model_size: float,
         total_training_modes: dict[str, int],
-        total_flops: int,
+        total_flops: int = 0,  # lightning 2.5 counts no FLOPs and passes none
         **summarize_kwargs: Any,
     ) -> None:
         if total_flops:

@@ -4,7 +4,7 @@ Each accessor checks its private names when its feature runs (:func:`require`, o
 that renames one breaks that feature with one line naming the version and the feature, and nothing else. Only the
 two launcher base classes are looked up at import (the project's launchers subclass them). Where Lightning or torch has a public way (the loops' progress counters, the profiler,
 ``dist.get_backend``, ``move_data_to_device``, a property override) the project uses it instead;
-``tests/test_private_names.py`` counts what remains by scanning the code. Checked against lightning 2.6.6 and
+``tests/test_private_names.py`` counts what remains by scanning the code. Checked against lightning 2.5.6 to 2.6.6 and
 torch 2.14.1 (and run with torch 2.11 on a GPU machine).
 """
 
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import Metric
 
-CHECKED_AGAINST = "lightning 2.6.6 and torch 2.14.1"
+CHECKED_AGAINST = "lightning 2.5.6 to 2.6.6 and torch 2.14.1"
 
 
 class LightningVersionError(ImportError):
