@@ -33,6 +33,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
 from src.checkpointing.io import AtomicCheckpointIODefault
+from src.runtime.loader_workers import WorkersOutliveStopSignals
 from src.runtime.sigterm import install_sigterm_agreement
 from src.strategies.launchers import PreflightMultiprocessingLauncher, PreflightSubprocessLauncher
 from src.strategies.options import refuse_foreign_options
@@ -41,7 +42,7 @@ from src.utils import lightning_compat as compat
 from src.utils.errors import ConfigError
 
 
-class DDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife, LightningDDPStrategy):
+class DDPStrategy(WorkersOutliveStopSignals, compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife, LightningDDPStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` plus the fixes above.
 
     Args:

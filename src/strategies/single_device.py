@@ -17,11 +17,12 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingleDeviceStrategy
 
 from src.checkpointing.io import AtomicCheckpointIODefault
+from src.runtime.loader_workers import WorkersOutliveStopSignals
 from src.strategies.options import refuse_foreign_options
 from src.utils.errors import ConfigError
 
 
-class SingleDeviceStrategy(AtomicCheckpointIODefault, LightningSingleDeviceStrategy):
+class SingleDeviceStrategy(WorkersOutliveStopSignals, AtomicCheckpointIODefault, LightningSingleDeviceStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`, atomic checkpoints by default.
 
     Args:

@@ -32,6 +32,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
 from src.checkpointing.io import AtomicCheckpointIODefault
+from src.runtime.loader_workers import WorkersOutliveStopSignals
 from src.strategies.dp.shards import (
     ShardRunner,
     batch_size_of,
@@ -52,7 +53,7 @@ def _refuse_bound_forwards(modules: list[str]) -> None:
                       "by torch.compile): a replica would run the original's parameters; fix: set model.compile=false")
 
 
-class DataParallelStrategy(AtomicCheckpointIODefault, ParallelStrategy):
+class DataParallelStrategy(WorkersOutliveStopSignals, AtomicCheckpointIODefault, ParallelStrategy):
     """Split each batch across ``trainer.devices`` devices of one process; see the module docstring.
 
     The Trainer fills in ``parallel_devices`` from ``accelerator``/``devices`` (CPU ``devices=2``

@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from src.checkpointing.io import AtomicCheckpointIODefault
 from src.checkpointing.sharded import is_sharded_checkpoint, replace, save_sharded, to_layout
 from src.runtime.exit_cleanup import release_before_destroy
+from src.runtime.loader_workers import WorkersOutliveStopSignals
 from src.runtime.sigterm import install_sigterm_agreement
 from src.strategies.fsdp import checkpoint as ckpt
 from src.strategies.fsdp.wrap import (
@@ -63,7 +64,7 @@ STATE_DICT_TYPES = ("sharded", "full")
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "bf16-true", "16-true")  # Lightning's ModelParallel set
 
 
-class FSDPStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife, ModelParallelStrategy):
+class FSDPStrategy(WorkersOutliveStopSignals, compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife, ModelParallelStrategy):
     """FSDP2 over ``trainer.devices x num_nodes`` processes, sharded by a wrap policy (:mod:`.wrap`).
 
     Args:

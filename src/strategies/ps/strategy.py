@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader
 from src.callbacks.monitored_metric import MonitoredMetricCheck
 from src.checkpointing.io import AtomicCheckpointIODefault
 from src.runtime.exit_cleanup import destroy_default_group_at_exit, release_before_destroy
+from src.runtime.loader_workers import WorkersOutliveStopSignals
 from src.runtime.local_store import local_store_path
 from src.runtime.sigterm import Preempted, SigtermSync, install_stop_handlers, stop_for_preemption
 from src.strategies.launchers import PSSubprocessLauncher
@@ -71,7 +72,7 @@ POLL_S = 0.25
 SERVER_DEVICES = ("auto", "cpu")
 
 
-class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife, ParallelStrategy):
+class ParameterServerStrategy(WorkersOutliveStopSignals, compat.BuildsLauncher, AtomicCheckpointIODefault, ProcessLife, ParallelStrategy):
     """Parameter servers and asynchronous workers over ``trainer.devices x num_nodes`` processes.
 
     Built on Lightning's ``ParallelStrategy`` with what it shares with ddp (the launcher with its pre-flight,
@@ -535,7 +536,7 @@ class ParameterServerStrategy(compat.BuildsLauncher, AtomicCheckpointIODefault, 
         stage = trainer.state.stage
         if not self.is_chief and stage is not None and (stage.evaluating or stage == RunningStage.PREDICTING):
             return DataLoader([])  # the chief evaluates every sample
-        return dataloader
+        return super().process_dataloader(dataloader)  # its workers outlive the stop signals
 
     # -- the end ------------------------------------------------------------------------------------
     def on_train_end(self) -> None:
