@@ -54,7 +54,7 @@ LIGHTNING_FLOOR = $(shell $(PYTHON) -c "import re, tomllib; deps = tomllib.load(
 test-oldest: $(STAMP) ## Run the quick subset on the oldest Lightning pyproject.toml allows (.venv-oldest)
 	[ -x .venv-oldest/bin/python ] || $(PYTHON) -m venv --system-site-packages .venv-oldest
 	.venv-oldest/bin/pip install --quiet "lightning==$(LIGHTNING_FLOOR)"
-	.venv-oldest/bin/python -m pytest -q -m fast
+	.venv-oldest/bin/python -m pytest -q -n 2 --dist loadfile -m "fast and not serial"
 
 test-slow: $(STAMP) ## Run only the multi-process / multi-epoch tests
 	$(PYTHON) -m pytest -q -m slow
