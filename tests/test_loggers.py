@@ -189,7 +189,7 @@ def test_a_resume_sends_each_point_a_logger_lacks_once_wherever_the_kill_and_the
 
 @pytest.mark.fast
 def test_the_removed_wandb_logger_target_still_builds_lightnings_for_one_release(tmp_path):
-    """Configs written before 2026-12-02 name ``src.loggers.resumable.ResumableWandbLogger``: it builds
+    """Older configs name ``src.loggers.resumable.ResumableWandbLogger``: it builds
     Lightning's WandbLogger and warns with the target to use (docs/migration.md)."""
     pytest.importorskip("wandb")
     from lightning.pytorch.loggers import WandbLogger

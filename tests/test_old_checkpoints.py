@@ -1,6 +1,6 @@
 """A checkpoint written by an earlier release still resumes, evaluates and exports.
 
-``tests/fixtures/d541abd/mlp_step3.ckpt`` was written at commit d541abd (2026-12-01, before the re-layout of
+``tests/fixtures/d541abd/mlp_step3.ckpt`` was written at commit d541abd (before the re-layout of
 issue 48) by::
 
     python src/train.py model.net.hidden_sizes=[16] trainer.max_epochs=2 +trainer.max_steps=3 \

@@ -250,7 +250,7 @@ def mlflow_points_held(tracking_uri: str, run_id: str) -> HeldPoints:
 
 
 def ResumableWandbLogger(**kwargs: Any) -> Any:  # noqa: N802 - the removed class's name, kept for one release
-    """Removed on 2026-12-02 (docs/migration.md): W&B's own resume replaced it. Lightning's WandbLogger, with a
+    """Removed (docs/migration.md): W&B's own resume replaced it. Lightning's WandbLogger, with a
     warning naming the config to change."""
     from lightning.pytorch.loggers import WandbLogger
 
