@@ -23,7 +23,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 PYTHON="${PYTHON:-python}"
-# hydra-optuna-sweeper, which hparams_search used before hydra/sweeper=optuna (src/search/), pins Optuna 2 and
+# hydra-optuna-sweeper, which hparams_search used before hydra/sweeper=optuna (src/engine/search/), pins Optuna 2 and
 # registers Hydra configs of the same names (hydra/sweeper/optuna, hydra/sweeper/sampler/tpe): remove it
 if "$PYTHON" -m pip show hydra-optuna-sweeper >/dev/null 2>&1; then
   "$PYTHON" -m pip uninstall --yes --quiet hydra-optuna-sweeper

@@ -13,10 +13,10 @@ from typing import Any
 
 import rootutils
 
-# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/utils/job_setup.py)
+# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/engine/utils/job_setup.py)
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True, dotenv=False)
 
-from src.runtime import prompt_exit
+from src.engine import prompt_exit
 
 if __name__ == "__main__":
     prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
@@ -25,15 +25,22 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
-from src.checkpointing.start import checkpoint_model, require_ckpt_path
-from src.runtime.hydra_launch import isolated_job
-from src.strategies.launchers import preflight
-from src.utils.config_checks import check_config, require_step
-from src.utils.hydra_errors import hydra_main
-from src.utils.instantiators import instantiate_callbacks, instantiate_loggers
-from src.utils.logging_utils import log_hyperparameters
-from src.utils.pylogger import RankedLogger, lightning_lines_held
-from src.utils.task import extras, task_wrapper
+from src.engine import (
+    RankedLogger,
+    check_config,
+    checkpoint_model,
+    extras,
+    hydra_main,
+    instantiate_callbacks,
+    instantiate_loggers,
+    isolated_job,
+    lightning_lines_held,
+    log_hyperparameters,
+    preflight,
+    require_ckpt_path,
+    require_step,
+    task_wrapper,
+)
 
 log = RankedLogger(__name__)
 

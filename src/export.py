@@ -17,10 +17,10 @@ from typing import Any
 
 import rootutils
 
-# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/utils/job_setup.py)
+# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/engine/utils/job_setup.py)
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True, dotenv=False)
 
-from src.runtime import prompt_exit
+from src.engine import prompt_exit
 
 if __name__ == "__main__":
     prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
@@ -30,13 +30,17 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from src.checkpointing.io import load_checkpoint_file
-from src.checkpointing.start import check_checkpoint, require_ckpt_path
-from src.runtime.hydra_launch import isolated_job
-from src.utils.errors import ConfigError
-from src.utils.hydra_errors import hydra_main
-from src.utils.pylogger import RankedLogger
-from src.utils.task import extras, task_wrapper
+from src.engine import (
+    ConfigError,
+    RankedLogger,
+    check_checkpoint,
+    extras,
+    hydra_main,
+    isolated_job,
+    load_checkpoint_file,
+    require_ckpt_path,
+    task_wrapper,
+)
 
 log = RankedLogger(__name__)
 FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}

@@ -16,10 +16,10 @@ from typing import Any
 
 import rootutils
 
-# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/utils/job_setup.py)
+# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/engine/utils/job_setup.py)
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True, dotenv=False)
 
-from src.runtime import prompt_exit
+from src.engine import prompt_exit
 
 if __name__ == "__main__":
     prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
@@ -28,19 +28,27 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
-from src.callbacks.prediction_writer import PredictionWriter
-from src.checkpointing.start import checkpoint_model, require_ckpt_path
-from src.data.in_memory_datamodule import InMemoryDataModule
-from src.data.predict_datamodule import PredictDataModule, SplitPredictDataModule
-from src.data.predict_inputs import load_inputs, predict_on_inputs, split_inputs
-from src.run.status import PREDICTIONS_FILE
-from src.runtime.hydra_launch import isolated_job
-from src.strategies.launchers import preflight
-from src.utils.config_checks import check_config
-from src.utils.errors import DataError
-from src.utils.hydra_errors import hydra_main
-from src.utils.pylogger import RankedLogger, lightning_lines_held
-from src.utils.task import extras, task_wrapper
+from src.engine import (
+    PREDICTIONS_FILE,
+    DataError,
+    InMemoryDataModule,
+    PredictDataModule,
+    PredictionWriter,
+    RankedLogger,
+    SplitPredictDataModule,
+    check_config,
+    checkpoint_model,
+    extras,
+    hydra_main,
+    isolated_job,
+    lightning_lines_held,
+    load_inputs,
+    predict_on_inputs,
+    preflight,
+    require_ckpt_path,
+    split_inputs,
+    task_wrapper,
+)
 
 log = RankedLogger(__name__)
 

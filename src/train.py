@@ -15,10 +15,10 @@ from typing import Any
 
 import rootutils
 
-# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/utils/job_setup.py)
+# the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/engine/utils/job_setup.py)
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True, dotenv=False)
 
-from src.runtime import prompt_exit
+from src.engine import prompt_exit
 
 if __name__ == "__main__":
     prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
@@ -27,23 +27,31 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
-from src.callbacks.monitored_metric import drop_callbacks_without_a_metric
-from src.checkpointing.last_checkpoint import best_checkpoint, run_position
-from src.checkpointing.required import with_resume_callbacks
-from src.checkpointing.start import check_checkpoint, resume_checkpoint
-from src.run.status import completed_task, run_status, task_overrides
-from src.runtime.hydra_launch import isolated_job
-from src.strategies.launchers import preflight
-from src.utils.config_checks import check_config, require_step
-from src.utils.hydra_errors import hydra_main
-from src.utils.instantiators import (
+from src.engine import (
+    RankedLogger,
+    best_checkpoint,
+    check_checkpoint,
+    check_config,
+    completed_task,
     drop_callbacks_needing_a_logger,
+    drop_callbacks_without_a_metric,
+    extras,
+    get_metric_value,
+    hydra_main,
     instantiate_callbacks,
     instantiate_loggers,
+    isolated_job,
+    lightning_lines_held,
+    log_hyperparameters,
+    preflight,
+    require_step,
+    resume_checkpoint,
+    run_position,
+    run_status,
+    task_overrides,
+    task_wrapper,
+    with_resume_callbacks,
 )
-from src.utils.logging_utils import log_hyperparameters
-from src.utils.pylogger import RankedLogger, lightning_lines_held
-from src.utils.task import extras, get_metric_value, task_wrapper
 
 log = RankedLogger(__name__)
 

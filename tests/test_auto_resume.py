@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from src.run.status import FINISHED, read_status
+from src.engine.run.status import FINISHED, read_status
 from tests.helpers.training_runs import (
     differing_weights,
     finish,

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from src.data.mnist_datamodule import FashionMNISTDataModule, MNISTDataModule
-from src.utils.errors import CheckpointError, ConfigError, DataError, print_error
+from src.engine.utils.errors import CheckpointError, ConfigError, DataError, print_error
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 
@@ -84,9 +84,9 @@ def test_bad_sigterm_check_interval(tmp_path):
     ("SingleDeviceStrategy", {"accelerator": None}, None),  # Lightning's own keyword
 ])
 def test_a_strategy_option_is_checked_against_the_strategy_that_takes_it(strategy, options, message):
-    import src.strategies
+    import src.engine.strategies
 
-    build = getattr(src.strategies, strategy)
+    build = getattr(src.engine.strategies, strategy)
     if message is None:
         build(**options)
         return
@@ -186,7 +186,7 @@ def test_missing_checkpoint_fails_before_training(tmp_path):
 
 @pytest.mark.fast
 def test_unreadable_checkpoint(tmp_path, make_cfg):
-    from src.checkpointing.start import check_checkpoint
+    from src.engine.checkpointing.start import check_checkpoint
 
     junk = tmp_path / "junk.ckpt"
     junk.write_bytes(b"not a checkpoint")
@@ -292,7 +292,7 @@ def test_impossible_combination_messages(make_cfg, capsys):
 def test_busy_master_port_is_reported(monkeypatch):
     import socket
 
-    from src.runtime.rendezvous import check_rendezvous
+    from src.engine.runtime.rendezvous import check_rendezvous
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -384,8 +384,8 @@ def test_a_bug_in_the_job_still_shows_its_traceback(tmp_path):
     script.write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from src.utils.hydra_errors import hydra_main\n"
-        "from src.utils.resolvers import register_resolvers\n"
+        "from src.engine.utils.hydra_errors import hydra_main\n"
+        "from src.engine.utils.resolvers import register_resolvers\n"
         "register_resolvers()\n"
         f"@hydra_main(version_base='1.3', config_path={str(ROOT / 'configs')!r}, config_name='train.yaml')\n"
         "def main(cfg):\n"
@@ -435,7 +435,7 @@ def test_negative_learning_rate_is_a_config_error(tmp_path):
     [("weight_decay", "-1", "model.optimizer.weight_decay=-1"), ("betas", "[1.5,0.9]", "beta")],
 )
 def test_other_invalid_optimizer_values(make_cfg, key, value, named):
-    from src.utils.config_checks import check_config
+    from src.engine.utils.config_checks import check_config
 
     cfg = make_cfg(
         "train", [f"model.optimizer.{key}={value}" if key != "betas" else f"+model.optimizer.betas={value}"]
@@ -452,7 +452,7 @@ def test_all_devices_on_cpu(tmp_path):
 
 @pytest.mark.fast
 def test_zero_devices_on_cpu_does_not_recommend_minus_one(make_cfg, monkeypatch):
-    from src.utils.config_checks import check_trainer_config
+    from src.engine.utils.config_checks import check_trainer_config
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ConfigError, match="trainer.devices=0 must be >= 1") as err:
@@ -489,10 +489,10 @@ class _PlainDataModule(L.LightningDataModule):
 def test_dp_batch_check_covers_any_datamodule():
     """dp splits whatever batch the loader yields: a user's DataModule with batch_size=1 on 2 dp devices failed
     only at the first training step; the pre-flight catches it."""
+    from src.engine.strategies.dp import DataParallelStrategy
+    from src.engine.strategies.launchers import preflight
     from src.models.components.toy_net import ToyNet
     from src.models.regression_module import RegressionModule
-    from src.strategies.dp import DataParallelStrategy
-    from src.strategies.launchers import preflight
 
     trainer = L.Trainer(
         strategy=DataParallelStrategy(),
@@ -568,7 +568,7 @@ def test_bad_checkpoint_files(tmp_path, kind, named):
 
 @pytest.mark.fast
 def test_checkpoint_messages_never_advise_unsafe_loading(tmp_path):
-    from src.checkpointing.start import check_checkpoint
+    from src.engine.checkpointing.start import check_checkpoint
 
     path = tmp_path / "code.ckpt"
     torch.save(

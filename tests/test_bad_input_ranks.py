@@ -111,7 +111,7 @@ def test_several_nodes_without_a_launcher_fail_in_one_line_on_node_0(tmp_path, m
 
 @pytest.mark.fast
 def test_wait_for_listener_sees_a_late_master():
-    from src.runtime.rendezvous import wait_for_listener
+    from src.engine.runtime.rendezvous import wait_for_listener
 
     port = find_free_network_port()
     assert not wait_for_listener("127.0.0.2", port, timeout=0.5, interval=0.1)
@@ -145,7 +145,7 @@ def test_config_error_is_printed_by_rank_zero_only(tmp_path):
 @pytest.mark.fast
 def test_torch_store_timeout_becomes_one_line():
     """A launcher that skips the pre-flight's bounded wait (torchrun, srun) still gets one line from torch's timeout."""
-    from src.utils.task import rendezvous_error
+    from src.engine.utils.task import rendezvous_error
 
     err = RuntimeError(
         "The client socket has timed out after 15000ms while trying to connect to (127.0.0.2, 29517)."
@@ -156,7 +156,7 @@ def test_torch_store_timeout_becomes_one_line():
 
 @pytest.mark.fast
 def test_peer_failure_is_recognised():
-    from src.runtime.exit_cleanup import peer_failed
+    from src.engine.runtime.exit_cleanup import peer_failed
 
     gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:52940"
     assert peer_failed(RuntimeError(gloo))

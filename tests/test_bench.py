@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from src.models.step_module import StepModule
+from src.engine.steps.step_module import StepModule
 from src.train import train
 from tests.helpers.config import ROOT
 from tests.helpers.docs import docs_command

@@ -11,11 +11,11 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 import src.train as entry
-from src.callbacks.progress_bar import RateLimitedRichProgressBar
 from src.data.mnist_datamodule import MNISTDataModule
+from src.engine.callbacks.progress_bar import RateLimitedRichProgressBar
+from src.engine.utils.instantiators import drop_callbacks_needing_a_logger
 from src.models.components.mlp import MLP
 from src.train import train
-from src.utils.instantiators import drop_callbacks_needing_a_logger
 
 
 class _BarProbe(Callback):

@@ -30,15 +30,15 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
-from src.checkpointing.io import (
+from src.engine.checkpointing.io import (
     AtomicCheckpointIO,
     AtomicCheckpointIODefault,
     cleanup_stale_temp_files,
     temp_prefix,
 )
-from src.strategies.dp.strategy import DataParallelStrategy
+from src.engine.strategies.dp.strategy import DataParallelStrategy
+from src.engine.utils.errors import CheckpointError
 from src.train import train
-from src.utils.errors import CheckpointError
 from tests.helpers.config import ROOT
 
 pytestmark = pytest.mark.faults
@@ -259,7 +259,7 @@ WRITER = r"""
 import hashlib, os, sys
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from src.checkpointing.io import AtomicCheckpointIO
+from src.engine.checkpointing.io import AtomicCheckpointIO
 
 torch.set_num_threads(1)
 io_class = {"atomic": AtomicCheckpointIO, "lightning": TorchCheckpointIO}[sys.argv[1]]

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.fast
 
 PARENT = """
 import subprocess, sys, time
-from src.runtime.child_guard import guard_child_ranks
+from src.engine.runtime.child_guard import guard_child_ranks
 children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(CODE)"])]
 print(children[0].pid, flush=True)

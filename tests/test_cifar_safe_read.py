@@ -20,9 +20,9 @@ import pytest
 from torchvision import datasets
 
 from src.data.cifar10_datamodule import CIFAR10DataModule, read_cifar10
-from src.data.components.safe_unpickle import RefusedGlobal, load_numpy_pickle
+from src.engine.utils.errors import DataError
+from src.engine.utils.safe_unpickle import RefusedGlobal, load_numpy_pickle
 from src.train import train
-from src.utils.errors import DataError
 
 pytestmark = pytest.mark.faults
 

@@ -24,15 +24,15 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from src.collectives.benchmark import (
+from src.engine.collectives.benchmark import (
     BenchRow,
     busbw_factor,
     format_size,
     parse_size,
     size_sweep,
 )
-from src.collectives.callback import CollectivesCheck
-from src.collectives.checks import (
+from src.engine.collectives.callback import CollectivesCheck
+from src.engine.collectives.checks import (
     FAILED,
     PASSED,
     SKIPPED,
@@ -41,20 +41,20 @@ from src.collectives.checks import (
     merge_results,
     select_checks,
 )
-from src.collectives.launch import plan_from_config
-from src.collectives.report import save_benchmark
-from src.collectives.ring import chunk_bounds
-from src.collectives.runtime import all_gather_tensor
-from src.collectives.suite import (
+from src.engine.collectives.launch import plan_from_config
+from src.engine.collectives.report import save_benchmark
+from src.engine.collectives.ring import chunk_bounds
+from src.engine.collectives.runtime import all_gather_tensor
+from src.engine.collectives.suite import (
     ALL_CHECKS,
     BITWISE_OPS,
     CHECK_NAMES,
     reduction_expected,
     reduction_input,
 )
-from src.collectives.sync_sgd import DataPartitioner, partition_dataset
-from src.strategies.ddp import DDPStrategy
-from src.utils.errors import ConfigError
+from src.engine.collectives.sync_sgd import DataPartitioner, partition_dataset
+from src.engine.strategies.ddp import DDPStrategy
+from src.engine.utils.errors import ConfigError
 from tests.helpers import collectives_workers as workers
 from tests.helpers.docs import assert_no_error_line, docs_command
 from tests.helpers.multiprocess import run_workers
@@ -327,16 +327,16 @@ def test_callback_in_a_two_process_ddp_spawn_fit(tmp_path):
 
 
 def _run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """``python -m src.collectives ARGS`` from the repository root, as the README runs it."""
-    return subprocess.run([sys.executable, "-m", "src.collectives", *args], cwd=cwd,
+    """``python -m src.engine.collectives ARGS`` from the repository root, as the README runs it."""
+    return subprocess.run([sys.executable, "-m", "src.engine.collectives", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.slow
 def test_entry_point_check_mode(tmp_path):
-    """The docs' `python -m src.collectives mode=check nproc=3` on gloo: it exits 0 and no check failed. It is
+    """The docs' `python -m src.engine.collectives mode=check nproc=3` on gloo: it exits 0 and no check failed. It is
     this test that runs that docs command (tests/test_readme_commands.py)."""
-    args = shlex.split(docs_command("python -m src.collectives mode=check nproc="))[3:]
+    args = shlex.split(docs_command("python -m src.engine.collectives mode=check nproc="))[3:]
     nproc = int(dict(arg.split("=", 1) for arg in args)["nproc"])
     proc = _run_cli(*args, "backend=gloo", f"hydra.run.dir={tmp_path}")  # CPU, any machine
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -368,7 +368,7 @@ def test_suite_on_nccl():
 @pytest.mark.fast
 def test_auto_backend_needs_a_gpu_per_spawned_rank(monkeypatch):
     """On a 1-GPU machine, `nproc=2` with backend=auto is gloo: two nccl ranks on one GPU are invalid (seen on an H100)."""
-    from src.collectives.launch import resolve_backend
+    from src.engine.collectives.launch import resolve_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from src.collectives import launch, runtime
-from src.collectives.benchmark import MEMCPY, BenchRow
-from src.collectives.report import bench_table, memcpy_label
+from src.engine.collectives import launch, runtime
+from src.engine.collectives.benchmark import MEMCPY, BenchRow
+from src.engine.collectives.report import bench_table, memcpy_label
 from tests.helpers import collectives_workers as workers
 from tests.helpers.multiprocess import run_workers
 from tests.helpers.run_if import requires_2_gpus, requires_nccl
@@ -83,7 +83,7 @@ def test_gpu_memcpy_is_labelled_as_a_copy_inside_one_gpu():
 @pytest.mark.slow
 def test_every_call_site_hands_collectives_device_tensors_only(tmp_path):
     """On a group that, like nccl, takes tensors on its device only, no call site hands it a host tensor:
-    every mode of ``python -m src.collectives``, both ring schedules and the callback."""
+    every mode of ``python -m src.engine.collectives``, both ring schedules and the callback."""
     results = run_workers(workers.device_discipline, 2, str(tmp_path), timeout=300)
     for per_rank in results:
         assert per_rank["violations"] == []
@@ -149,7 +149,7 @@ def test_point_to_point_order_cannot_deadlock_on_nccl(world_size):
 # ====================================================================== GPU (skipped without CUDA)
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "src.collectives", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "src.engine.collectives", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
 
 

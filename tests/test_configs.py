@@ -11,9 +11,9 @@ from lightning import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 
-import src.strategies  # noqa: F401  (registers the dp and pipeline names)
-from src.checkpointing.io import AtomicCheckpointIO
-from src.utils.instantiators import instantiate_callbacks, instantiate_loggers
+import src.engine.strategies  # noqa: F401  (registers the dp and pipeline names)
+from src.engine.checkpointing.io import AtomicCheckpointIO
+from src.engine.utils.instantiators import instantiate_callbacks, instantiate_loggers
 from tests.helpers.config import CONFIG_DIR, ROOT
 
 pytestmark = pytest.mark.fast
@@ -127,11 +127,11 @@ def test_src_utils_exports_ashleves_names_without_importing_lightning():
     import subprocess
     import sys
 
-    code = ("import sys, src.utils.errors; assert 'lightning' not in sys.modules; "
-            "from src.utils import extras, task_wrapper, get_metric_value, instantiate_callbacks, instantiate_loggers, "
+    code = ("import sys, src.engine.utils.errors; assert 'lightning' not in sys.modules; "
+            "from src.engine.utils import extras, task_wrapper, get_metric_value, instantiate_callbacks, instantiate_loggers, "
             "log_hyperparameters, print_config_tree, RankedLogger; print(task_wrapper.__module__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "src.utils.task"
+    assert out.strip() == "src.engine.utils.task"
 
 
 @pytest.mark.fast

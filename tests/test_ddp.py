@@ -33,8 +33,8 @@ def ddp_fit(rank: int, world_size: int, out_dir: str, data_dir: str, trainer_gro
     """One rank of ``train(cfg)`` with ``trainer=ddp`` (or another group); returns what the test compares."""
     from lightning.pytorch.trainer.states import RunningStage
 
-    from src.data.components.in_memory import InMemoryDataset
     from src.data.mnist_datamodule import MNISTDataModule
+    from src.engine.data.in_memory import InMemoryDataset
     from src.train import train
 
     extracted = Path(out_dir) / "extracted_by.txt"
@@ -169,7 +169,7 @@ def test_ddp_spawn_returns_metrics_to_parent(make_cfg):
     metrics, objects = train(cfg)
     assert 0.0 < float(metrics["test/acc"]) <= 1.0 and "val/acc" in metrics
     assert Path(objects["trainer"].checkpoint_callback.best_model_path).is_file()
-    # fit and test are separate launches; both continue the run's one CSV log (src/loggers/resumable.py)
+    # fit and test are separate launches; both continue the run's one CSV log (src/engine/loggers/resumable.py)
     (version,) = (Path(cfg.paths.output_dir) / "csv").iterdir()
     with open(version / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -274,7 +274,7 @@ def test_rank_zeros_start_keeps_a_failure_another_rank_recorded_first(tmp_path, 
 
     import lightning as L
 
-    from src.run.status import FAILED, RUNNING, read_fields, run_status, write_status
+    from src.engine.run.status import FAILED, RUNNING, read_fields, run_status, write_status
 
     write_status(tmp_path, FAILED, "rank 1: DataError at epoch 0, global step 0: bad file", rank=1)
     if written == "before-this-process-started":
@@ -403,7 +403,7 @@ def test_torchrun_one_node(tmp_path):
 def test_a_child_rank_runs_the_parents_job_settings(tmp_path):
     """A child rank's command keeps the job's Hydra settings (chdir, env_set) and the task's overrides, and takes
     the parent's run dir, job name and RUN mode in place of the parent's own."""
-    from src.strategies.launchers import child_command
+    from src.engine.strategies.launchers import child_command
 
     compose_cfg("train", ["trainer=ddp", "hydra.job.chdir=true", "+hydra.job.env_set.FOO=1", "hydra.run.dir=elsewhere",
                           "hydra.job.name=mine"], tmp_path)

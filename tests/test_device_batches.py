@@ -13,9 +13,9 @@ import pytest
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 
-from src.data.components.in_memory import InMemoryDataset, keep_batch
-from src.data.components.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
 from src.data.toy_datamodule import ToyDataModule
+from src.engine.data.in_memory import InMemoryDataset, keep_batch
+from src.engine.data.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
 from tests.helpers.multiprocess import run_workers
 from tests.helpers.run_if import gpu_test
 

@@ -22,8 +22,8 @@ import psutil
 import pytest
 import torch
 
-from src.checkpointing import io as checkpoint_io
-from src.checkpointing.io import AtomicCheckpointIO, DiskFullError
+from src.engine.checkpointing import io as checkpoint_io
+from src.engine.checkpointing.io import AtomicCheckpointIO, DiskFullError
 from tests.helpers.config import ROOT
 from tests.helpers.training_runs import finish, launch
 

@@ -14,18 +14,18 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import Tensor, nn
 
-import src.strategies  # noqa: F401  (registers "dp")
-from src.data.in_memory_datamodule import InMemoryDataModule
+import src.engine.strategies  # noqa: F401  (registers "dp")
 from src.data.toy_datamodule import ToyDataModule
+from src.engine.data.in_memory_datamodule import InMemoryDataModule
+from src.engine.strategies.dp import DataParallelStrategy
+from src.engine.strategies.dp.shards import ShardRunner
+from src.engine.strategies.launchers import preflight
+from src.engine.utils.errors import ConfigError
+from src.engine.utils.lightning_compat import replica_sharing_parameters as shared_replica
 from src.models.classification_module import ClassificationModule
 from src.models.components.mlp import MLP
 from src.models.components.toy_net import ToyNet
 from src.models.regression_module import RegressionModule
-from src.strategies.dp import DataParallelStrategy
-from src.strategies.dp.shards import ShardRunner
-from src.strategies.launchers import preflight
-from src.utils.errors import ConfigError
-from src.utils.lightning_compat import replica_sharing_parameters as shared_replica
 from tests.helpers.entry import run_entry
 from tests.helpers.run_if import requires_2_gpus
 from tests.test_bad_input import error_line
@@ -300,12 +300,12 @@ LIGHTNING_DEMO = ["~model", "~data", "+data._target_=lightning.pytorch.demos.bor
 @pytest.mark.parametrize("model", ["BoringModel", "DemoModel"])
 def test_a_lightning_module_without_the_protocol_is_refused_in_one_line(tmp_path, model):
     """``src/train.py trainer=dp`` with Lightning's demo modules: exit 2, one line naming every missing member
-    of the protocol (src/strategies/protocols.py) and the fix; no traceback, no rank, no run directory."""
+    of the protocol (src/engine/strategies/protocols.py) and the fix; no traceback, no rank, no run directory."""
     proc = run_entry("train", *LIGHTNING_DEMO, f"+model._target_=lightning.pytorch.demos.boring_classes.{model}",
                      "trainer=dp", f"hydra.run.dir={tmp_path}/run", timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     line = error_line(proc)
     assert (f"trainer=dp needs model_step(batch) -> dict, record_step(stage, out) -> loss; "
-            f"{model} lacks model_step, record_step; fix: subclass src.models.step_module.StepModule") in line, line
+            f"{model} lacks model_step, record_step; fix: subclass src.engine.steps.step_module.StepModule") in line, line
     assert "Initializing distributed" not in proc.stdout + proc.stderr
     assert not (tmp_path / "run").exists()

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from src.checkpointing.epoch_restart import EpochRestartFix
+from src.engine.checkpointing.epoch_restart import EpochRestartFix
 
 pytestmark = pytest.mark.fast
 

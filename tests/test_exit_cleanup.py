@@ -1,4 +1,4 @@
-"""A rank that returns right after a collective must exit cleanly (src.runtime.exit_cleanup).
+"""A rank that returns right after a collective must exit cleanly (src.engine.runtime.exit_cleanup).
 
 Without the exit handler a gloo rank can die with SIGABRT while Python shuts down: a process
 group's worker thread still releases the last collective's tensors and needs the GIL. The race
@@ -32,13 +32,13 @@ def _strategy(kind: str):
     from lightning.pytorch.accelerators import CPUAccelerator
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
-    from src.strategies.ddp import DDPStrategy
-    from src.strategies.pipeline.strategy import PipelineStrategy
+    from src.engine.strategies.ddp import DDPStrategy
+    from src.engine.strategies.pipeline.strategy import PipelineStrategy
 
     if kind == "fsdp":  # Lightning's ModelParallelStrategy takes these from the Trainer, not its constructor
         from lightning.pytorch.demos.boring_classes import BoringModel
 
-        from src.strategies.fsdp import FSDPStrategy
+        from src.engine.strategies.fsdp import FSDPStrategy
 
         strategy = FSDPStrategy(process_group_backend="gloo")
         strategy.accelerator, strategy.cluster_environment = CPUAccelerator(), LightningEnvironment()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.checkpointing.io import load_checkpoint_file
+from src.engine.checkpointing.io import load_checkpoint_file
 from tests.helpers.entry import run_entry
 
 onnxruntime = pytest.importorskip("onnxruntime", reason="the export extra: pip install -e '.[export]'")

@@ -16,10 +16,16 @@ import pytest
 import torch
 from torch import nn
 
-from src.checkpointing.optimizer_state import indexed_optimizer_state, named_optimizer_state
-from src.checkpointing.sharded import join_tensors, read_sharded, replace, split_tensors
-from src.strategies.fsdp.wrap import BLOCKS, check_shardable, plan_shards, resolve_sharding, resolve_wrap
-from src.utils.errors import CheckpointError, ConfigError
+from src.engine.checkpointing.optimizer_state import indexed_optimizer_state, named_optimizer_state
+from src.engine.checkpointing.sharded import join_tensors, read_sharded, replace, split_tensors
+from src.engine.strategies.fsdp.wrap import (
+    BLOCKS,
+    check_shardable,
+    plan_shards,
+    resolve_sharding,
+    resolve_wrap,
+)
+from src.engine.utils.errors import CheckpointError, ConfigError
 from tests.helpers.config import compose_cfg
 from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers
@@ -117,8 +123,8 @@ def test_a_resume_under_fsdp_has_the_saved_random_state_before_the_first_batch()
 
     from lightning.pytorch.trainer.states import TrainerFn
 
-    from src.checkpointing.resume_state import CHECKPOINT_KEY, ResumeRandomState, capture_random_state
-    from src.strategies.fsdp import FSDPStrategy
+    from src.engine.checkpointing.resume_state import CHECKPOINT_KEY, ResumeRandomState, capture_random_state
+    from src.engine.strategies.fsdp import FSDPStrategy
 
     strategy = FSDPStrategy()
     strategy.parallel_devices = [torch.device("cpu")]
@@ -330,7 +336,7 @@ def runs(tmp_path_factory):
 
 
 def _weights(result: list[dict]) -> dict[str, torch.Tensor]:
-    from src.checkpointing.io import load_checkpoint_file
+    from src.engine.checkpointing.io import load_checkpoint_file
 
     return load_checkpoint_file(result[0]["last"])["state_dict"]
 
@@ -416,7 +422,7 @@ def test_a_sharded_checkpoint_of_a_non_sequential_net_resumes(runs, tmp_path):
                      timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {run['last']}" in proc.stdout + proc.stderr
-    from src.checkpointing.io import load_checkpoint_file
+    from src.engine.checkpointing.io import load_checkpoint_file
 
     resumed = load_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt")
     assert resumed["global_step"] == 16
@@ -429,10 +435,10 @@ def load_on_ranks(rank: int, world_size: int, path: str) -> dict | None:
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from src.engine.steps.optimizers import build_optimizer
+    from src.engine.strategies.fsdp import checkpoint as ckpt
+    from src.engine.strategies.fsdp.wrap import mixed_precision, shard_by_blocks
     from src.models.components.mlp import MLP
-    from src.models.optimizers import build_optimizer
-    from src.strategies.fsdp import checkpoint as ckpt
-    from src.strategies.fsdp.wrap import mixed_precision, shard_by_blocks
 
     module = _Module(MLP())
     shard_by_blocks(module, init_device_mesh("cpu", (world_size,)), True, mixed_precision("32-true"), False)
@@ -450,10 +456,10 @@ def load_sgd_on_ranks(rank: int, world_size: int, path: str, momentum: float) ->
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from src.engine.steps.optimizers import build_optimizer
+    from src.engine.strategies.fsdp import checkpoint as ckpt
+    from src.engine.strategies.fsdp.wrap import mixed_precision, shard_by_blocks
     from src.models.components.mlp import MLP
-    from src.models.optimizers import build_optimizer
-    from src.strategies.fsdp import checkpoint as ckpt
-    from src.strategies.fsdp.wrap import mixed_precision, shard_by_blocks
 
     module = _Module(MLP())
     shard_by_blocks(module, init_device_mesh("cpu", (world_size,)), True, mixed_precision("32-true"), False)
@@ -562,7 +568,7 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2(runs, tmp_path):
                      timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {run['last']}" in proc.stdout + proc.stderr
-    from src.checkpointing.io import load_checkpoint_file
+    from src.engine.checkpointing.io import load_checkpoint_file
 
     resumed = load_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt")
     assert resumed["global_step"] == 16  # 8 steps of the 4-rank run, then 8 more on 2 ranks

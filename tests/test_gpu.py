@@ -18,7 +18,7 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from torch import nn
 
 from src.data.mnist_datamodule import MNISTDataModule
-from src.utils.errors import ConfigError
+from src.engine.utils.errors import ConfigError
 from tests.helpers.entry import run_entry
 from tests.helpers.run_if import gpu_test
 from tests.test_compile import assert_compiled_run_round_trips, compiled_fit_resume_eval
@@ -131,7 +131,7 @@ def test_gpu_fit_and_test(make_cfg, precision):
 def test_the_direct_owned_step_equals_lightnings_calls_on_gpu(make_cfg, precision):
     """The owned step's direct backward and optimizer call (the default on a GPU: ``DIRECT_STEP_DEVICES``)
     against Lightning's calls, eager (no capture), on the GPU."""
-    from src.models import owned_step
+    from src.engine.steps import owned_step
     from tests.test_owned_step import assert_direct_step_equals_lightnings_calls
 
     skip_without_bf16(precision)
@@ -143,7 +143,7 @@ def test_the_direct_owned_step_equals_lightnings_calls_on_gpu(make_cfg, precisio
 @gpu_test(1)
 def test_dp_on_one_gpu_validates_under_autocast(make_cfg):
     """`trainer=dp trainer.devices=1` in mixed precision: training, validation and test all run autocast on the GPU."""
-    from src.strategies.dp import DataParallelStrategy
+    from src.engine.strategies.dp import DataParallelStrategy
     from src.train import train
 
     precision = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"

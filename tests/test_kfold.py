@@ -14,11 +14,11 @@ import pytest
 import torch
 import yaml
 
-from src.data.components.folds import check_fold, stratified_folds
 from src.data.toy_datamodule import ToyDataModule
-from src.run.lock import try_lock
-from src.search.cross_validation import CV_LOCK, same_command
-from src.utils.errors import ConfigError
+from src.engine.data.folds import check_fold, stratified_folds
+from src.engine.run.lock import try_lock
+from src.engine.search.cross_validation import CV_LOCK, same_command
+from src.engine.utils.errors import ConfigError
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 from tests.helpers.training_runs import finish, launch

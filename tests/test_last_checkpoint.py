@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 
-from src.checkpointing.last_checkpoint import LastCheckpoint
-from src.data.components.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
+from src.engine.checkpointing.last_checkpoint import LastCheckpoint
+from src.engine.data.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
 from src.train import train
 
 pytestmark = pytest.mark.fast  # in-process toy fits, about a second each
@@ -267,7 +267,7 @@ def test_a_save_that_waited_for_a_validation_that_did_not_run_is_made_a_step_lat
 def test_a_stop_that_waited_for_a_validation_that_did_not_run_is_made_a_step_later(tmp_path):
     """An empty validation set due after every batch: the stop noted at batch 1 waits once, then is made (it
     waited for the epoch's end, 8 batches on, before)."""
-    from src.checkpointing.required import resume_callbacks
+    from src.engine.checkpointing.required import resume_callbacks
 
     trainer = L.Trainer(max_epochs=2, val_check_interval=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
@@ -282,7 +282,7 @@ def test_a_checkpoint_callback_after_last_checkpoint_is_named(tmp_path, caplog, 
     """A hand-built Trainer: a ModelCheckpoint after LastCheckpoint would miss the validation a stop is made at."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from src.checkpointing.required import resume_callbacks
+    from src.engine.checkpointing.required import resume_callbacks
 
     mine = [ModelCheckpoint(dirpath=tmp_path / "best")]
     callbacks = [*mine, *resume_callbacks(tmp_path)] if mine_first else [*resume_callbacks(tmp_path), *mine]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from src.utils import lightning_compat as compat
+from src.engine.utils import lightning_compat as compat
 
 ROOT = Path(__file__).resolve().parents[1]
 # Private names the issue lists, which only the compat module may reach.
@@ -68,13 +68,13 @@ UNCHECKED = {"_configure_launcher", "_launcher", "_current_fx_name", "_layer_syn
 def test_every_private_name_the_compat_module_reaches_is_checked_where_it_is_used():
     """A name used in the compat module without a check would fail with a traceback (or silently) on a release
     that drops it: the accessor that uses it checks it first, so its feature fails in one line instead."""
-    source = (ROOT / "src/utils/lightning_compat.py").read_text()
+    source = (ROOT / "src/engine/utils/lightning_compat.py").read_text()
     assert _private_names_reached_in(source) - UNCHECKED - _required_in(source) == set()
 
 
 @pytest.mark.fast
 def test_importing_the_compat_module_checks_nothing_but_its_base_classes():
-    source = (ROOT / "src/utils/lightning_compat.py").read_text()
+    source = (ROOT / "src/engine/utils/lightning_compat.py").read_text()
     top_level_calls = [n for stmt in ast.parse(source).body if not isinstance(stmt, ast.FunctionDef | ast.ClassDef)
                        for n in ast.walk(stmt) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "require"]
     assert top_level_calls == []

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from src.runtime.loader_workers import (
+from src.engine.runtime.loader_workers import (
     IgnoreStopSignals,
     WorkersOutliveStopSignals,
     workers_ignore_stop_signals,
@@ -65,12 +65,12 @@ def test_the_loaders_own_worker_init_fn_still_runs_once():
 
 
 def test_every_project_strategy_hands_lightning_such_loaders():
-    from src.strategies.ddp import DDPStrategy
-    from src.strategies.dp.strategy import DataParallelStrategy
-    from src.strategies.fsdp.strategy import FSDPStrategy
-    from src.strategies.pipeline.strategy import PipelineStrategy
-    from src.strategies.ps.strategy import ParameterServerStrategy
-    from src.strategies.single_device import SingleDeviceStrategy
+    from src.engine.strategies.ddp import DDPStrategy
+    from src.engine.strategies.dp.strategy import DataParallelStrategy
+    from src.engine.strategies.fsdp.strategy import FSDPStrategy
+    from src.engine.strategies.pipeline.strategy import PipelineStrategy
+    from src.engine.strategies.ps.strategy import ParameterServerStrategy
+    from src.engine.strategies.single_device import SingleDeviceStrategy
 
     for cls in (DDPStrategy, DataParallelStrategy, FSDPStrategy, PipelineStrategy, ParameterServerStrategy,
                 SingleDeviceStrategy):

@@ -11,8 +11,8 @@ import yaml
 from lightning import Trainer
 from torch import nn
 
-from src.utils.job_setup import LoadDotenv
-from src.utils.logging_utils import HyperparameterLogger, log_hyperparameters
+from src.engine.utils.job_setup import LoadDotenv
+from src.engine.utils.logging_utils import HyperparameterLogger, log_hyperparameters
 from tests.helpers.entry import run_entry
 
 LR = 0.0123  # distinctive, so finding it proves it came from this run's config
@@ -141,8 +141,8 @@ def test_a_new_csv_column_never_leaves_the_file_half_written(tmp_path, monkeypat
     file is written aside and swapped in: a failure before the swap leaves every earlier row in place."""
     import csv as csv_module
 
-    from src.loggers import resumable
-    from src.loggers.resumable import ResumableCSVLogger
+    from src.engine.loggers import resumable
+    from src.engine.loggers.resumable import ResumableCSVLogger
 
     logger = ResumableCSVLogger(str(tmp_path))
     for step in range(3):
@@ -168,7 +168,7 @@ def test_a_resume_sends_each_point_a_logger_lacks_once_wherever_the_kill_and_the
     """A logger holds a prefix of the points; the resume replays them from its checkpoint's step in the same
     order (``epoch`` twice at an epoch's last step: training's and validation's epoch end). Held and sent
     together are every point exactly once, for every cut and every replay start at or before it."""
-    from src.loggers.resumable import HeldPoints
+    from src.engine.loggers.resumable import HeldPoints
 
     calls = []  # (step, metrics) in the order Lightning logs them
     for step in range(12):
@@ -189,12 +189,12 @@ def test_a_resume_sends_each_point_a_logger_lacks_once_wherever_the_kill_and_the
 
 @pytest.mark.fast
 def test_the_removed_wandb_logger_target_still_builds_lightnings_for_one_release(tmp_path):
-    """Older configs name ``src.loggers.resumable.ResumableWandbLogger``: it builds
+    """Older configs name ``src.engine.loggers.resumable.ResumableWandbLogger``: it builds
     Lightning's WandbLogger and warns with the target to use (docs/migration.md)."""
     pytest.importorskip("wandb")
     from lightning.pytorch.loggers import WandbLogger
 
-    from src.loggers.resumable import ResumableWandbLogger
+    from src.engine.loggers.resumable import ResumableWandbLogger
 
     with pytest.warns(DeprecationWarning, match="lightning.pytorch.loggers.wandb.WandbLogger"):
         logger = ResumableWandbLogger(save_dir=str(tmp_path), offline=True, id="old", resume="allow", prefix="")

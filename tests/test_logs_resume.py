@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from src.callbacks.metric_plot import MetricPlot
-from src.loggers.resumable import ResumableCSVLogger
+from src.engine.callbacks.metric_plot import MetricPlot
+from src.engine.loggers.resumable import ResumableCSVLogger
 from tests.helpers.config import ROOT, compose_cfg
 from tests.helpers.training_runs import finish, launch, run_dirs, wait_for_checkpoint
 

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from src.models.optimizers import build_optimizer, is_fused, takes_fused
+from src.engine.steps.optimizers import build_optimizer, is_fused, takes_fused
 
 pytestmark = pytest.mark.fast
 

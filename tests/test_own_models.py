@@ -64,7 +64,7 @@ def status(run_dir: Path) -> dict:
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from src.checkpointing.io import load_checkpoint_file
+    from src.engine.checkpointing.io import load_checkpoint_file
 
     return load_checkpoint_file(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
 

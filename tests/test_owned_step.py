@@ -1,4 +1,4 @@
-"""The owned training step (manual optimization, src/models/owned_step.py) gives Lightning's automatic
+"""The owned training step (manual optimization, src/engine/steps/owned_step.py) gives Lightning's automatic
 optimization's numbers bit for bit: weights, optimizer and scheduler state, logged rows, over several
 epochs, in one process and under DDP x2; and a run killed under one resumes under the other."""
 
@@ -16,7 +16,7 @@ from lightning import Callback
 from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.profilers import PassThroughProfiler
 
-from src.checkpointing.last_checkpoint import last_checkpoint_path
+from src.engine.checkpointing.last_checkpoint import last_checkpoint_path
 from src.models.regression_module import RegressionModule
 from src.train import train
 from tests.helpers.training_runs import finish, run_dirs, start, wait_for_checkpoint

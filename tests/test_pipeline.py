@@ -21,19 +21,19 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torchmetrics import SumMetric
 
-import src.strategies  # noqa: F401  (registers "pipeline")
-from src.checkpointing.optimizer_state import group_names, named_optimizer_state, names_in_order
+import src.engine.strategies  # noqa: F401  (registers "pipeline")
 from src.data.toy_datamodule import ToyDataModule
+from src.engine.checkpointing.optimizer_state import group_names, named_optimizer_state, names_in_order
+from src.engine.steps.step_module import STAGES
+from src.engine.strategies.pipeline import checkpoint as ckpt
+from src.engine.strategies.pipeline.mesh import resolve_layout
+from src.engine.strategies.pipeline.partition import balanced_split, plan_stages, split_table
+from src.engine.strategies.pipeline.schedule import check_schedule, stage_indices
+from src.engine.strategies.pipeline.strategy import PipelineStrategy
+from src.engine.utils.errors import ConfigError
 from src.models.components.mlp import MLP
 from src.models.components.toy_net import ToyNet
 from src.models.regression_module import RegressionModule
-from src.models.step_module import STAGES
-from src.strategies.pipeline import checkpoint as ckpt
-from src.strategies.pipeline.mesh import resolve_layout
-from src.strategies.pipeline.partition import balanced_split, plan_stages, split_table
-from src.strategies.pipeline.schedule import check_schedule, stage_indices
-from src.strategies.pipeline.strategy import PipelineStrategy
-from src.utils.errors import ConfigError
 from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers
 from tests.test_bad_input import error_line
@@ -225,8 +225,8 @@ def test_predict_is_refused_before_any_process_starts():
 @pytest.mark.fast
 def test_one_global_batch_rule_for_every_strategy():
     """One function owns the split: replicas x micro-batches for a pipeline, replicas for DDP, >= devices for dp."""
-    from src.strategies.dp import DataParallelStrategy
-    from src.strategies.global_batch import per_replica_batch_size
+    from src.engine.strategies.dp import DataParallelStrategy
+    from src.engine.strategies.global_batch import per_replica_batch_size
 
     pipe = Trainer(accelerator="cpu", devices=4, strategy=PipelineStrategy(dp_size=2, n_microbatches=4),
                    logger=False).strategy
@@ -502,7 +502,7 @@ def test_preflight_applies_the_global_batch_rule_only_to_datamodules_that_say_so
     """A DataModule of your own keeps its own meaning of batch_size (often per device); the project's are global."""
     from lightning import LightningDataModule
 
-    from src.strategies.launchers import preflight
+    from src.engine.strategies.launchers import preflight
 
     class Theirs(LightningDataModule):
         def __init__(self) -> None:
@@ -523,12 +523,12 @@ LIGHTNING_DEMO = ["~model", "~data", "+data._target_=lightning.pytorch.demos.bor
 @pytest.mark.parametrize("model", ["BoringModel", "DemoModel"])
 def test_a_lightning_module_without_the_protocol_is_refused_in_one_line(tmp_path, model):
     """``src/train.py trainer=pipeline`` with Lightning's demo modules: exit 2, one line naming every missing member
-    of the protocol (src/strategies/protocols.py) and the fix; no traceback, no rank, no run directory."""
+    of the protocol (src/engine/strategies/protocols.py) and the fix; no traceback, no rank, no run directory."""
     proc = run_entry("train", *LIGHTNING_DEMO, f"+model._target_=lightning.pytorch.demos.boring_classes.{model}",
                      "trainer=pipeline", "trainer.devices=2", f"hydra.run.dir={tmp_path}/run", timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     line = error_line(proc)
     assert (f"trainer=pipeline needs net (an nn.Sequential of named blocks), criterion(output, target) -> loss, record_step(stage, out) -> loss; "
-            f"{model} lacks net, criterion, record_step; fix: subclass src.models.step_module.StepModule") in line, line
+            f"{model} lacks net, criterion, record_step; fix: subclass src.engine.steps.step_module.StepModule") in line, line
     assert "Initializing distributed" not in proc.stdout + proc.stderr
     assert not (tmp_path / "run").exists()

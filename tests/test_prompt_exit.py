@@ -16,7 +16,7 @@ pytestmark = pytest.mark.fast
 SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from src.runtime import prompt_exit
+from src.engine.runtime import prompt_exit
 prompt_exit.install()
 import atexit, logging
 log = logging.getLogger("job")

@@ -19,9 +19,9 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from src.callbacks.slow_rank import read_rates
-from src.strategies.ps.layout import shard_by_size
-from src.utils.errors import ConfigError
+from src.engine.callbacks.slow_rank import read_rates
+from src.engine.strategies.ps.layout import shard_by_size
+from src.engine.utils.errors import ConfigError
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 from tests.helpers.multiprocess import run_workers
@@ -30,7 +30,7 @@ from tests.helpers.processes import Processes, free_port
 # Toy regression (plain SGD): fast to start, fast to train; dropout-free, so runs compare bit for bit.
 TOY = ["experiment=toy", "trainer.accelerator=cpu", "extras.print_config=false", "callbacks.metric_plot=null",
        "logger=csv", "trainer.max_epochs=1"]
-SLOW = ["+callbacks.slow._target_=src.callbacks.slow_rank.SlowRank"]
+SLOW = ["+callbacks.slow._target_=src.engine.callbacks.slow_rank.SlowRank"]
 
 
 def train_run(run_dir: Path, *overrides: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -71,7 +71,7 @@ def test_shards_are_whole_tensors_balanced_by_size():
     ({"link_timeout_s": 0}, "link_timeout_s=0 is not a positive number of seconds"),
 ])
 def test_the_constructor_refuses_bad_settings(kwargs, message):
-    from src.strategies.ps.strategy import ParameterServerStrategy
+    from src.engine.strategies.ps.strategy import ParameterServerStrategy
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         ParameterServerStrategy(**kwargs)
@@ -82,7 +82,7 @@ def test_the_constructor_refuses_bad_settings(kwargs, message):
 def test_a_servers_checkpoint_keeps_the_scheduled_learning_rate(max_staleness, live_lr):
     """Asynchronous, a push is 1/W of the global batch and the live step takes lr/W; the checkpoint keeps the
     schedule's lr, or every resume would divide it by W again."""
-    from src.strategies.ps.server import ParameterServer
+    from src.engine.strategies.ps.server import ParameterServer
 
     net = torch.nn.Linear(2, 1)
     server = ParameterServer(list(net.parameters()), torch.optim.Adam(net.parameters(), lr=0.01), [], 2,
@@ -97,7 +97,7 @@ def test_sync_batchnorm_reaches_ps_and_is_refused():
     """ps is not Lightning's DDP, yet the Trainer still hands it the SyncBatchNorm plugin, which it refuses."""
     import lightning as L
 
-    from src.strategies.ps.strategy import ParameterServerStrategy
+    from src.engine.strategies.ps.strategy import ParameterServerStrategy
 
     strategy = ParameterServerStrategy()
     trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy, sync_batchnorm=True, logger=False)
@@ -108,7 +108,7 @@ def test_sync_batchnorm_reaches_ps_and_is_refused():
 
 @pytest.mark.fast
 def test_pipeline_dp_ddp_and_fsdp_refuse_ps_settings():
-    from src.strategies import DataParallelStrategy, DDPStrategy, FSDPStrategy, PipelineStrategy
+    from src.engine.strategies import DataParallelStrategy, DDPStrategy, FSDPStrategy, PipelineStrategy
 
     for strategy, name in ((PipelineStrategy, "pipeline"), (DataParallelStrategy, "dp"), (DDPStrategy, "ddp"),
                            (FSDPStrategy, "fsdp")):
@@ -136,11 +136,11 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, overr
 # -- synchronous mode is synchronous SGD -----------------------------------------------------------------------
 def ps_sync_sgd(rank: int, world_size: int, port: int, steps: int, batch_size: int, lr: float, seed: int):
     """Rank 0 serves, the others push: the collectives room's toy problem, shards and batches, max_staleness=0."""
-    from src.collectives.sync_sgd import partition_dataset, shard_batch, toy_problem
-    from src.strategies.ps.client import ServerClient
-    from src.strategies.ps.coordination import JobStore
-    from src.strategies.ps.serve import ServerLinks
-    from src.strategies.ps.server import ParameterServer
+    from src.engine.collectives.sync_sgd import partition_dataset, shard_batch, toy_problem
+    from src.engine.strategies.ps.client import ServerClient
+    from src.engine.strategies.ps.coordination import JobStore
+    from src.engine.strategies.ps.serve import ServerLinks
+    from src.engine.strategies.ps.server import ParameterServer
 
     timeout = dt.timedelta(seconds=60)
     jobs = JobStore(torch.distributed.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout), timeout)
@@ -173,7 +173,7 @@ def ps_sync_sgd(rank: int, world_size: int, port: int, steps: int, batch_size: i
 
 
 def sync_sgd(rank: int, world_size: int, steps: int, batch_size: int, lr: float, seed: int):
-    from src.collectives.sync_sgd import sync_sgd_weights
+    from src.engine.collectives.sync_sgd import sync_sgd_weights
 
     return sync_sgd_weights(steps, batch_size, lr, seed)
 

@@ -5,7 +5,7 @@ and a worker started again with its own command join the running job; a worker s
 outlive the job.
 
 The victim's pid comes from the chief's log (``ps: worker 1, rank 2 (host h, pid 123), joined at step 0``); a
-test-only delay per step (:class:`src.callbacks.slow_rank.SlowRank`) keeps the job running while it is hit.
+test-only delay per step (:class:`src.engine.callbacks.slow_rank.SlowRank`) keeps the job running while it is hit.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from lightning import LightningModule
 from lightning.pytorch.utilities.model_summary import summarize
 from torch import nn
 
-from src.callbacks.model_summary import RichModelSummary
-from src.utils.job_setup import QuietLibraries, _drop_lightning_tip
+from src.engine.callbacks.model_summary import RichModelSummary
+from src.engine.utils.job_setup import QuietLibraries, _drop_lightning_tip
 from tests.helpers.entry import run_entry
 
 

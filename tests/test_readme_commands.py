@@ -2,7 +2,7 @@
 
 The commands are read from the files, so a command added there is tested here: training and evaluation
 (`python src/train.py`, `src/eval.py`, torchrun, srun, `make`), the collectives room
-(`python -m src.collectives`, also under torchrun), the benchmarks (`python -m scripts.bench`) and the
+(`python -m src.engine.collectives`, also under torchrun), the benchmarks (`python -m scripts.bench`) and the
 test commands (`python -m pytest`). Each runs in a fresh shell from the repository root, with arguments
 appended that only make it short and keep its output in a temporary directory. Only what this machine
 cannot do is skipped, each with its reason (SKIP), and so is a command another test runs with its outputs
@@ -45,7 +45,7 @@ RUN_ELSEWHERE = {
         "tests/test_sweeps.py::test_optuna_search_with_ddp runs it and checks each trial's ranks and the study",
     "python src/train.py hparams_search=fashion_mnist_optuna hydra.sweeper.n_jobs=2 hydra.sweeper.study_name=two_at_a_time":
         "tests/test_sweeps.py::test_trials_run_in_parallel_processes runs it and checks that the trials overlapped",
-    "python -m src.collectives mode=check nproc=3":
+    "python -m src.engine.collectives mode=check nproc=3":
         "tests/test_collectives.py::test_entry_point_check_mode runs it and checks its report: no failed check",
 }
 # Whole command -> why it is only dry-run (`make -n`: the target exists and expands).
@@ -58,7 +58,7 @@ DRY_RUN = {
 # ResNet18), nothing else changed.
 FEW_BATCHES = ["++trainer.limit_train_batches=1", "++trainer.limit_val_batches=1", "++trainer.limit_test_batches=1",
                "++trainer.num_sanity_val_steps=0"]
-# Appended to `python -m src.collectives`: the smallest sizes and fewest iterations of every mode.
+# Appended to `python -m src.engine.collectives`: the smallest sizes and fewest iterations of every mode.
 FEW_MESSAGES = ["bench.sizes=[4KB]", "bench.warmup=1", "bench.iters=2", "ring.bench_sizes=[4KB]", "ring.warmup=1",
                 "ring.iters=2", "sgd.epochs=1"]
 # Appended to `python -m scripts.bench`: one round of two epochs of two steps, no per-sample or paired runs.
@@ -178,7 +178,7 @@ def test_readme_command_runs(command, tmp_path, request):
         return
     if "<run>" in command:
         command = command.replace("logs/train/runs/<run>", str(request.getfixturevalue("trained_run")))
-    if "-m src.collectives" in command:
+    if "-m src.engine.collectives" in command:
         args = [*FEW_MESSAGES, f"paths.log_dir={tmp_path / 'logs'}"]
     elif command.startswith("python -m scripts.bench"):
         args = [*FEW_STEPS, "--out", str(tmp_path / "bench")]
@@ -196,7 +196,7 @@ def test_readme_commands_are_found():
     assert "make train" in commands and "make synthetic-cifar10" in commands
     assert any(c.startswith("python src/eval.py") for c in commands)
     assert any(c.startswith("torchrun --standalone") for c in commands)
-    for kind in ("python -m src.collectives", "-m src.collectives mode=check", "python -m scripts.bench",
+    for kind in ("python -m src.engine.collectives", "-m src.engine.collectives mode=check", "python -m scripts.bench",
                  "python -m pytest"):
         assert any(kind in c for c in commands), f"no {kind!r} command found in the README or docs/"
     for key in SKIP:

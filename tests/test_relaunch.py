@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.run.status import DIED, read_fields, read_status
+from src.engine.run.status import DIED, read_fields, read_status
 from tests.helpers.config import ROOT
 from tests.helpers.training_runs import finish, launch, run_dirs
 

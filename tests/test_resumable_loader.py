@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src.data.components.in_memory import InMemoryDataset, keep_batch
-from src.data.components.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
-from src.utils.errors import ConfigError
+from src.engine.data.in_memory import InMemoryDataset, keep_batch
+from src.engine.data.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
+from src.engine.utils.errors import ConfigError
 
 pytestmark = pytest.mark.fast
 

@@ -1,5 +1,5 @@
 """Running metrics resumed on another number of ranks: the new ranks' synced value is the saved ranks' one,
-whatever values the saved states hold (``src/checkpointing/resume_state.py``). The sync is summed by hand
+whatever values the saved states hold (``src/engine/checkpointing/resume_state.py``). The sync is summed by hand
 here as torchmetrics sums it across ranks; ``tests/test_world_sizes.py`` runs it with real processes."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torchmetrics import MaxMetric
 
-from src.checkpointing.resume_state import _take_from_other_replicas
-from src.models.metrics import SampleMean
+from src.engine.checkpointing.resume_state import _take_from_other_replicas
+from src.engine.steps.metrics import SampleMean
 
 
 def saved_mean(*batches: tuple[float, int]) -> dict:

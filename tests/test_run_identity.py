@@ -15,9 +15,9 @@ import psutil
 import pytest
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from src.run import identity as run_identity
-from src.run.lock import try_lock
-from src.run.status import FINISHED, RUNNING, write_status
+from src.engine.run import identity as run_identity
+from src.engine.run.lock import try_lock
+from src.engine.run.status import FINISHED, RUNNING, write_status
 from tests.helpers.config import ROOT
 from tests.helpers.entry import run_entry
 from tests.helpers.training_runs import (

@@ -12,9 +12,9 @@ import time
 import pytest
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from src.runtime.sigterm import SigtermNote, SigtermSync, install_sigterm_agreement
-from src.strategies.ddp import DDPStrategy
-from src.utils.errors import ConfigError
+from src.engine.runtime.sigterm import SigtermNote, SigtermSync, install_sigterm_agreement
+from src.engine.strategies.ddp import DDPStrategy
+from src.engine.utils.errors import ConfigError
 from tests.helpers.config import ROOT
 
 STOP = re.compile(r"\[rank (\d)\].*every rank stopped at epoch (\d+), global step (\d+);")
@@ -135,8 +135,8 @@ def test_a_spawned_ranks_stop_reaches_its_parent_as_the_same_stop():
     from lightning.pytorch.utilities.exceptions import SIGTERMException
     from torch.multiprocessing import ProcessExitedException
 
-    from src.runtime.sigterm import Preempted, stop_of_spawned_ranks
-    from src.strategies.launchers import SpawnedRank
+    from src.engine.runtime.sigterm import Preempted, stop_of_spawned_ranks
+    from src.engine.strategies.launchers import SpawnedRank
 
     def lightnings_stop() -> None:
         raise SIGTERMException
@@ -169,7 +169,7 @@ def test_a_stop_signal_while_a_spawned_rank_starts_is_kept_for_its_handlers():
     default end, nor the parent's handler a fork inherits), and the first agreed check acts on it."""
     from lightning import Trainer
 
-    from src.runtime import sigterm
+    from src.engine.runtime import sigterm
 
     previous = {signum: signal.getsignal(signum) for signum in sigterm.STOP_SIGNALS}
     try:
@@ -187,7 +187,7 @@ def test_a_stop_signal_while_a_spawned_rank_starts_is_kept_for_its_handlers():
 def test_a_ranks_copy_of_the_spawn_launcher_signals_no_process():
     """A forked rank's launcher still lists the processes of the launch before (fit's, during test): passing a
     signal on from there would test processes that are not its children (AssertionError in multiprocessing)."""
-    from src.strategies.launchers import PreflightMultiprocessingLauncher
+    from src.engine.strategies.launchers import PreflightMultiprocessingLauncher
 
     class Listed:
         def is_alive(self) -> bool:

@@ -1,4 +1,4 @@
-"""The captured training step (src/models/step_capture.py), proved on a CPU with a stand-in graph.
+"""The captured training step (src/engine/steps/step_capture.py), proved on a CPU with a stand-in graph.
 
 ``tests/helpers/recorded_graph.py`` records the step's aten ops once and replays them on the same
 tensors, running no Python: what a CUDA graph does. Trained through the real entry point with it, the
@@ -18,7 +18,7 @@ import pytest
 import torch
 from lightning import Callback
 
-from src.models import step_capture
+from src.engine.steps import step_capture
 from src.models.components.toy_net import ToyNet
 from src.models.regression_module import RegressionModule
 from src.train import train

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from lightning import Callback, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from src.checkpointing.last_checkpoint import LastCheckpoint
+from src.engine.checkpointing.last_checkpoint import LastCheckpoint
+from src.engine.strategies.single_device import SingleDeviceStrategy
+from src.engine.utils.errors import ConfigError
 from src.models.classification_module import ClassificationModule
 from src.models.components.mlp import MLP
-from src.strategies.single_device import SingleDeviceStrategy
-from src.utils.errors import ConfigError
 
 pytestmark = pytest.mark.fast
 
@@ -311,7 +311,7 @@ def test_an_empty_setup_keeps_the_projects_setup(matmul_precision):
 
 
 def test_an_empty_on_fit_start_keeps_the_per_rank_random_stream():
-    from src.utils.seeding import rank_seed
+    from src.engine.utils.seeding import rank_seed
 
     fit(build(EmptyFitStart), epochs=1)  # build seeds 0
     assert torch.initial_seed() == rank_seed(0, 0, "model")
@@ -319,7 +319,7 @@ def test_an_empty_on_fit_start_keeps_the_per_rank_random_stream():
 
 @pytest.mark.parametrize("cls", [EmptyTrainStart, EmptyTrainEnd], ids=lambda c: c.__name__)
 def test_empty_train_start_and_end_keep_the_captured_step(monkeypatch, cls):
-    from src.models import step_capture
+    from src.engine.steps import step_capture
     from tests.helpers.recorded_graph import RecordedGraph
 
     monkeypatch.setitem(step_capture.GRAPHS, "cpu", RecordedGraph)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from src.run.pid_file import registered_ranks
+from src.engine.run.pid_file import registered_ranks
 from tests.helpers.config import ROOT
 from tests.helpers.docs import assert_no_error_line, docs_command
 from tests.helpers.entry import run_entry
@@ -88,7 +88,7 @@ def study_in(sweep: Path, journal: Path | None = None, name: str = "fashion_mnis
 def test_search_space_in_hydra_grammar_becomes_optuna_distributions():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    from src.search.study import search_space, trial_overrides
+    from src.engine.search.study import search_space, trial_overrides
 
     fixed, space = search_space({"lr": "tag(log, interval(0.0001, 0.01))", "width": "choice('[256,128]', '[64]')",
                                  "layers": "range(1, 7, 2)"}, ["seed=3", "trainer=cpu", "width=choice(8, 16)"])

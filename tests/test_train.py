@@ -8,9 +8,9 @@ import pytest
 import torch
 from omegaconf import open_dict
 
+from src.engine.utils.task import get_metric_value
 from src.eval import evaluate
 from src.train import train
-from src.utils.task import get_metric_value
 
 PAIRS = [
     ("fashion_mnist", "mlp", []),
@@ -91,7 +91,7 @@ def test_the_default_profiler_profiles_nothing_and_simple_still_profiles(make_cf
     context (cheaper than Lightning's pass-through profiler). ``trainer.profiler=simple`` still times hooks."""
     from lightning.pytorch.profilers import SimpleProfiler
 
-    from src.utils.profiler import NoProfiler
+    from src.engine.utils.profiler import NoProfiler
 
     cfg = make_cfg("train", ["model=toy", "data=toy", "test=false", *override])
     _, objects = train(cfg)

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.faults]
 # 2 epochs of 12 global batches; a periodic last.ckpt every 3 steps; each step slowed so the kill lands mid-epoch
 SAME_SAMPLES = ["model.net.dropout=0", "data.augment=false", "data.batch_size=96", "trainer.max_epochs=2",
                 "++trainer.limit_train_batches=12"]
-SLOWED = ["+callbacks.slow._target_=src.callbacks.slow_rank.SlowRank", "+callbacks.slow.delay_s=0.05"]
+SLOWED = ["+callbacks.slow._target_=src.engine.callbacks.slow_rank.SlowRank", "+callbacks.slow.delay_s=0.05"]
 
 
 def kill_after_first_checkpoint(log_dir, *extra: str) -> None:
@@ -104,7 +104,7 @@ def elastic_node(log_dir, port: int, hosts_rendezvous: bool):
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", f"--rdzv-conf={conf}",
                "--monitor-interval=0.5", str(ROOT / "src" / "train.py"), *TRAIN, *SAME_SAMPLES,
-               "+callbacks.slow._target_=src.callbacks.slow_rank.SlowRank", "+callbacks.slow.delay_s=0.6",
+               "+callbacks.slow._target_=src.engine.callbacks.slow_rank.SlowRank", "+callbacks.slow.delay_s=0.6",
                "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2", "trainer.strategy.sigterm_check_every_n_batches=1",
                f"paths.log_dir={log_dir}"]
     return launch(command, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})

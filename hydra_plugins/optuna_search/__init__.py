@@ -3,7 +3,7 @@
 Hydra builds a sweeper only from a class defined under ``hydra_plugins`` that its plugin scan found
 (``hydra.core.plugins.Plugins._instantiate`` refuses any other ``_target_``), so this class lives here.
 Hydra imports every plugin module at start-up, in every run, so this one imports nothing heavy: the search
-itself, and Optuna, load only when a sweep starts (``src/search/sweeper.py``).
+itself, and Optuna, load only when a sweep starts (``src/engine/search/sweeper.py``).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ class OptunaSearchSweeper(Sweeper):
 
     def sweep(self, arguments: list[str]) -> None:
         try:
-            from src.search.sweeper import OptunaSearch
+            from src.engine.search.sweeper import OptunaSearch
         except ImportError as err:
-            from src.utils.errors import ConfigError
+            from src.engine.utils.errors import ConfigError
 
             raise ConfigError(f"an Optuna search needs optuna ({err}); fix: pip install -e '.[sweep]'") from None
         OptunaSearch(self.config, self.launcher).sweep(arguments)

@@ -5,7 +5,7 @@
 For ``p`` stages and ``m`` micro-batches a pipeline is busy ``m`` of every ``m + p - 1`` slots
 (the GPipe/1F1B bubble is ``(p - 1) / (m + p - 1)``), so its ideal speedup over one device is
 ``p * m / (m + p - 1)``. This script measures the real speedup of the project's pipeline step
-(:class:`~src.strategies.pipeline.runner.PipelineRunner`, as ``trainer=pipeline`` builds it: schedule
+(:class:`~src.engine.strategies.pipeline.runner.PipelineRunner`, as ``trainer=pipeline`` builds it: schedule
 forward+backward, output broadcast, then each stage's optimizer step) over the same model unsplit
 in one process, for each schedule (GPipe, and 1F1B, ``trainer=pipeline``'s default, where ``m >= p``).
 
@@ -49,10 +49,10 @@ import torch.nn.functional as F  # noqa: E402
 from lightning.fabric.plugins.environments.lightning import find_free_network_port  # noqa: E402
 from torch import nn  # noqa: E402
 
-from src.strategies.pipeline.mesh import Layout, build_mesh  # noqa: E402
-from src.strategies.pipeline.partition import plan_stages  # noqa: E402
-from src.strategies.pipeline.runner import PipelineRunner  # noqa: E402
-from src.strategies.pipeline.schedule import canonical_schedule, check_schedule  # noqa: E402
+from src.engine.strategies.pipeline.mesh import Layout, build_mesh  # noqa: E402
+from src.engine.strategies.pipeline.partition import plan_stages  # noqa: E402
+from src.engine.strategies.pipeline.runner import PipelineRunner  # noqa: E402
+from src.engine.strategies.pipeline.schedule import canonical_schedule, check_schedule  # noqa: E402
 
 DEFAULTS: dict[str, Any] = dict(
     micro_batches=(1, 2, 4, 8), stages=2, width=1024, depth=8, batch=1024, steps=3, warmup=1, rounds=3,

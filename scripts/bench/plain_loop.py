@@ -179,7 +179,7 @@ def read_cifar10(data_dir: str, train: bool) -> tuple[Tensor, Tensor]:
 
 def resnet18_workload(data_dir: str, seed: int, device: torch.device):
     """The ResNet18 work: the net, normalized splits on ``device``, and the training-batch augmentation."""
-    from src.data.components.batch_transforms import random_crop, random_hflip  # the project's batch-wise ops
+    from src.engine.data.batch_transforms import random_crop, random_hflip  # the project's batch-wise ops
     from src.models.components.resnet18 import ResNet18  # the same architecture as model=resnet18
 
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(1, 3, 1, 1)

@@ -3,7 +3,7 @@
     python scripts/cloud/kill_orphans.py [--pid-dir logs/.pids] [--grace 10] [--dry-run]
 
 Every rank registers itself in ``<paths.log_dir>/.pids/<pid>.json`` while its job runs
-(``src.run.pid_file.PidFile``). A rank is an orphan when the launcher that started it (rank 0's
+(``src.engine.run.pid_file.PidFile``). A rank is an orphan when the launcher that started it (rank 0's
 process, or torchrun) is gone: it would otherwise wait in a collective until the timeout, holding its GPU.
 Orphans get SIGTERM, then SIGKILL after ``--grace`` seconds. Nothing else is touched: no name matching,
 and a PID is only signalled if its start time matches the record.
@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from src.run.pid_file import registered_ranks  # noqa: E402
+from src.engine.run.pid_file import registered_ranks  # noqa: E402
 
 
 def main() -> int:

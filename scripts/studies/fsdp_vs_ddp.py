@@ -75,7 +75,7 @@ def build(contender: str, hidden: list[int], world: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from src.strategies.fsdp.wrap import shard_by_blocks
+    from src.engine.strategies.fsdp.wrap import shard_by_blocks
 
     holder = Holder(hidden)
     if contender == "ddp":

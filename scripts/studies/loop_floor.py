@@ -9,8 +9,8 @@ Two questions behind the owned step's CPU figures (docs/benchmarks.md):
   ``training_step`` does nothing, over an in-memory list of batches: the time per batch is what the fit loop
   itself costs (fetching, hooks, progress counters), with no callbacks, logger, metrics or optimizer.
 * **The loader.** One epoch of the project's training loader
-  (:class:`~src.data.components.resumable_loader.ResumableDataLoader` over
-  :class:`~src.data.components.in_memory.InMemoryDataset`, Fashion-MNIST-sized tensors, batch 128) against
+  (:class:`~src.engine.data.resumable_loader.ResumableDataLoader` over
+  :class:`~src.engine.data.in_memory.InMemoryDataset`, Fashion-MNIST-sized tensors, batch 128) against
   the plain loop's batches: one permutation, sliced, and two ``index_select`` calls per batch.
 
 Each round measures both in turn (one torch thread); the report gives per-batch medians (min-max) over rounds.
@@ -25,8 +25,8 @@ import time
 import lightning as L
 import torch
 
-from src.data.components.in_memory import InMemoryDataset, keep_batch
-from src.data.components.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
+from src.engine.data.in_memory import InMemoryDataset, keep_batch
+from src.engine.data.resumable_loader import GlobalBatchShuffle, ResumableDataLoader
 
 SAMPLES, FEATURES, BATCH = 60_000, 784, 128
 

@@ -5,11 +5,11 @@
     python -m scripts.studies.ps_vs_ddp --skip-slow                   # the scale measurements alone
 
 1. **Slow worker** (the project, ``python src/train.py experiment=toy``, real processes on gloo): every worker
-   sleeps ``--delay`` s before each step (:class:`src.callbacks.slow_rank.SlowRank`), one of three ``--factor``
+   sleeps ``--delay`` s before each step (:class:`src.engine.callbacks.slow_rank.SlowRank`), one of three ``--factor``
    times as long. Under ``trainer=ps`` (1 server + 3 workers) and ``trainer=ddp`` (3 ranks) each round runs the
    undisturbed and the slowed job side by side; the figure is the fast ranks' steps per second slowed / undisturbed,
    median (min-max) of the same-round ratios. The sleep dominates the step, so rates compare on a loaded machine.
-2. **Scale** (the strategy's own server and client, :mod:`src.strategies.ps`, without Lightning): S servers and W
+2. **Scale** (the strategy's own server and client, :mod:`src.engine.strategies.ps`, without Lightning): S servers and W
    workers exchange the project's MLP (Fashion-MNIST, hidden 512-256, Adam on the servers) for ``--seconds``.
    ``push``: workers push a ready gradient as fast as they can (what the servers sustain); ``train``: each push
    follows a forward and backward pass on a batch of 64 (updates per second of real training). One update is
@@ -35,7 +35,7 @@ import torch
 import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from src.callbacks.slow_rank import read_rates
+from src.engine.callbacks.slow_rank import read_rates
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ["experiment=toy", "trainer.accelerator=cpu", "extras.print_config=false", "callbacks.metric_plot=null",
@@ -55,7 +55,7 @@ def slow_runs(out: Path, rnd: int, steps: int, delay: float, factor: float) -> d
             extra = [f"+callbacks.slow.slow_ranks=[{slow_rank}]"] if slowed else []
             proc = subprocess.run(
                 [sys.executable, str(ROOT / "src" / "train.py"), *args, *TOY, f"++trainer.limit_train_batches={steps}",
-                 "+callbacks.slow._target_=src.callbacks.slow_rank.SlowRank", f"+callbacks.slow.delay_s={delay}",
+                 "+callbacks.slow._target_=src.engine.callbacks.slow_rank.SlowRank", f"+callbacks.slow.delay_s={delay}",
                  f"+callbacks.slow.factor={factor}", *extra, f"hydra.run.dir={run_dir}"],
                 cwd=ROOT, capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:
@@ -76,11 +76,11 @@ def _model() -> torch.nn.Module:
 
 
 def scale_rank(rank: int, servers: int, workers: int, port: int, seconds: float, train: bool, queue) -> None:
-    from src.strategies.ps.client import ServerClient
-    from src.strategies.ps.coordination import JobStore
-    from src.strategies.ps.layout import shard_by_size
-    from src.strategies.ps.serve import ServerLinks
-    from src.strategies.ps.server import ParameterServer
+    from src.engine.strategies.ps.client import ServerClient
+    from src.engine.strategies.ps.coordination import JobStore
+    from src.engine.strategies.ps.layout import shard_by_size
+    from src.engine.strategies.ps.serve import ServerLinks
+    from src.engine.strategies.ps.server import ParameterServer
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")  # links on loopback only

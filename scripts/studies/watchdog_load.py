@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=float, default=10.0, help="seconds the store's load is measured over")
     parser.add_argument("--faults", nargs="+", choices=["kill", "stop", "none"], default=["kill", "stop"],
                         help="none: the load only")
-    parser.add_argument("--module", default="src.runtime.watchdog", help="the module holding RankWatchdog")
+    parser.add_argument("--module", default="src.engine.runtime.watchdog", help="the module holding RankWatchdog")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     results = []

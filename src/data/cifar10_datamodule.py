@@ -1,6 +1,6 @@
 """CIFAR-10 in torchvision's on-disk format (``cifar-10-batches-py``), held in memory as uint8 tensors.
 
-The batch files are pickles; they are read with a restricted unpickler (:mod:`src.data.components.safe_unpickle`)
+The batch files are pickles; they are read with a restricted unpickler (:mod:`src.engine.utils.safe_unpickle`)
 that allows numpy arrays and nothing else, so a crafted file in the data folder runs no code, whether or not
 ``data.verify_checksums`` is on.
 """
@@ -16,11 +16,15 @@ from torch import Tensor
 from torchvision import datasets
 from torchvision.datasets.utils import check_integrity
 
-from src.data.components.batch_transforms import random_crop, random_hflip
 from src.data.components.data_dir import publish_whole
-from src.data.components.safe_unpickle import RefusedGlobal, load_numpy_pickle
-from src.data.in_memory_datamodule import InMemoryDataModule
-from src.utils.errors import DataError
+from src.engine import (
+    DataError,
+    InMemoryDataModule,
+    RefusedGlobal,
+    load_numpy_pickle,
+    random_crop,
+    random_hflip,
+)
 
 # Augmentation statistics used by the CIFAR-10 DDP example this template grew from.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -90,7 +94,7 @@ class CIFAR10DataModule(InMemoryDataModule):
     files from ``scripts/make_synthetic_cifar10.py``).
     """
 
-    task = "classification"  # pairs with models of the same task (src/utils/config_checks.py)
+    task = "classification"  # pairs with models of the same task (src/engine/utils/config_checks.py)
     channels, image_size, num_classes = 3, 32, 10
     fetches_data_in_prepare = True  # the pre-flight runs prepare_data before any rank starts
     mean, std = CIFAR10_MEAN, CIFAR10_STD

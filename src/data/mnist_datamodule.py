@@ -12,10 +12,8 @@ from torchvision import datasets
 from torchvision.datasets.mnist import read_image_file, read_label_file
 from torchvision.datasets.utils import extract_archive
 
-from src.data.components.batch_transforms import random_crop, random_hflip
 from src.data.components.data_dir import check_writable_dir, publish_whole
-from src.data.in_memory_datamodule import InMemoryDataModule
-from src.utils.errors import DataError
+from src.engine import DataError, InMemoryDataModule, random_crop, random_hflip
 
 # torchvision class (folder layout, download mirrors), per-channel mean/std of the train set.
 _DATASETS = {
@@ -36,7 +34,7 @@ class MNISTDataModule(InMemoryDataModule):
     """
 
     channels, image_size, num_classes = 1, 28, 10
-    task = "classification"  # pairs with models of the same task (src/utils/config_checks.py)
+    task = "classification"  # pairs with models of the same task (src/engine/utils/config_checks.py)
     fetches_data_in_prepare = True  # the pre-flight runs prepare_data before any rank starts
 
     def __init__(

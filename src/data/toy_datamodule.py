@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from src.data.in_memory_datamodule import InMemoryDataModule
+from src.engine import InMemoryDataModule
 
 
 class ToyDataModule(InMemoryDataModule):
@@ -15,7 +15,7 @@ class ToyDataModule(InMemoryDataModule):
     the test split has ``num_test`` samples drawn from the same teacher.
     """
 
-    task = "regression"  # pairs with models of the same task (src/utils/config_checks.py)
+    task = "regression"  # pairs with models of the same task (src/engine/utils/config_checks.py)
 
     def __init__(
         self,

@@ -8,24 +8,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MaxMetric
 
-from src.models.metrics import SampleAccuracy, SampleMean
-from src.models.step_module import STAGES, StepModule, StepOutput
+from src.engine import STAGES, SampleAccuracy, SampleMean, StepModule, StepOutput
 
 
 class ClassificationModule(StepModule):
     """Logs ``{train,val,test}/loss``, ``{train,val,test}/acc`` and ``val/acc_best``.
 
-    Loss and accuracy are torchmetrics objects (:mod:`src.models.metrics`): each rank accumulates sums
+    Loss and accuracy are torchmetrics objects (:mod:`src.engine.steps.metrics`): each rank accumulates sums
     and counts, and they are all-reduced once at epoch end, so the logged value is the exact mean over
     all samples seen by all ranks (not a mean of per-rank means).
     """
 
-    task = "classification"  # pairs with data of the same task (src/utils/config_checks.py)
+    task = "classification"  # pairs with data of the same task (src/engine/utils/config_checks.py)
     best_of = "acc"  # val/acc_best
-    capture_safe = True  # criterion may run inside a captured step (src/models/step_capture.py)
+    capture_safe = True  # criterion may run inside a captured step (src/engine/steps/step_capture.py)
 
     def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, **options: Any) -> None:
-        """``options``: the :class:`~src.models.step_module.StepModule` switches (compile, fused_optimizer...)."""
+        """``options``: the :class:`~src.engine.steps.step_module.StepModule` switches (compile, fused_optimizer...)."""
         super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, **options)
         for stage in STAGES:  # train_loss, val_loss, test_loss, train_acc, ...
             setattr(self, f"{stage}_loss", SampleMean())

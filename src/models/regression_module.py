@@ -8,19 +8,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MinMetric
 
-from src.models.metrics import SampleMean
-from src.models.step_module import STAGES, StepModule, StepOutput
+from src.engine import STAGES, SampleMean, StepModule, StepOutput
 
 
 class RegressionModule(StepModule):
     """Logs ``{train,val,test}/loss`` (exact sample-weighted MSE across ranks) and ``val/loss_best``."""
 
-    task = "regression"  # pairs with data of the same task (src/utils/config_checks.py)
+    task = "regression"  # pairs with data of the same task (src/engine/utils/config_checks.py)
     best_of = "loss"  # val/loss_best
-    capture_safe = True  # criterion may run inside a captured step (src/models/step_capture.py)
+    capture_safe = True  # criterion may run inside a captured step (src/engine/steps/step_capture.py)
 
     def __init__(self, net: nn.Module, optimizer: Any, scheduler: Any | None = None, **options: Any) -> None:
-        """``options``: the :class:`~src.models.step_module.StepModule` switches (compile, fused_optimizer...)."""
+        """``options``: the :class:`~src.engine.steps.step_module.StepModule` switches (compile, fused_optimizer...)."""
         super().__init__(net=net, optimizer=optimizer, scheduler=scheduler, **options)
         for stage in STAGES:  # train_loss, val_loss, test_loss
             setattr(self, f"{stage}_loss", SampleMean())

@@ -23,13 +23,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from src.collectives.benchmark import benchmark_sweep
-from src.collectives.checks import Check, run_checks
-from src.collectives.report import save_benchmark
-from src.collectives.ring import compare_with_all_reduce, ring_all_reduce
-from src.collectives.runtime import CollectiveError, CollectiveTimeoutError
-from src.collectives.suite import run_suite
-from src.collectives.sync_sgd import compare_with_ddp
+from src.engine.collectives.benchmark import benchmark_sweep
+from src.engine.collectives.checks import Check, run_checks
+from src.engine.collectives.report import save_benchmark
+from src.engine.collectives.ring import compare_with_all_reduce, ring_all_reduce
+from src.engine.collectives.runtime import CollectiveError, CollectiveTimeoutError
+from src.engine.collectives.suite import run_suite
+from src.engine.collectives.sync_sgd import compare_with_ddp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -249,7 +249,7 @@ class DeviceOnlyGroup:
         setattr(obj, name, value)
 
     def __enter__(self) -> DeviceOnlyGroup:
-        from src.collectives import runtime
+        from src.engine.collectives import runtime
 
         swaps = {id(runtime.comm_device): lambda group=None: FAKE_DEVICE,
                  id(dist.batch_isend_irecv): self._batched(dist.batch_isend_irecv)}
@@ -257,7 +257,7 @@ class DeviceOnlyGroup:
             if hasattr(dist, name):
                 swaps[id(getattr(dist, name))] = self._wrap(name, getattr(dist, name))
         # torch.distributed, c10d's isend/irecv (P2POp checks ``op`` against them), every alias in the package
-        for module in [dist, c10d, *(m for n, m in list(sys.modules.items()) if n.startswith("src.collectives"))]:
+        for module in [dist, c10d, *(m for n, m in list(sys.modules.items()) if n.startswith("src.engine.collectives"))]:
             for attr, value in list(vars(module).items()):
                 if id(value) in swaps and (module is not c10d or attr in ("isend", "irecv")):
                     self._patch(module, attr, swaps[id(value)])
@@ -301,12 +301,12 @@ DISCIPLINE_MODES = (
 
 
 def device_discipline(rank: int, world_size: int, out_dir: str) -> dict:
-    """Every collective call site on the device-only group: each mode of ``python -m src.collectives``,
+    """Every collective call site on the device-only group: each mode of ``python -m src.engine.collectives``,
     both ring schedules, and the callback (checks and benchmark); then a host tensor as a control."""
-    from src.collectives import runtime
-    from src.collectives.callback import CollectivesCheck
-    from src.collectives.launch import LaunchPlan
-    from src.collectives.modes import run_mode, validate_options
+    from src.engine.collectives import runtime
+    from src.engine.collectives.callback import CollectivesCheck
+    from src.engine.collectives.launch import LaunchPlan
+    from src.engine.collectives.modes import run_mode, validate_options
 
     with DeviceOnlyGroup() as fake:
         for mode, conf in DISCIPLINE_MODES:
@@ -326,8 +326,8 @@ def device_discipline(rank: int, world_size: int, out_dir: str) -> dict:
 def p2p_orders(rank: int, world_size: int) -> dict[str, list]:
     """The order in which every point-to-point call site posts its sends and receives on this rank. The ring
     runs the schedule it picks on a backend that coalesces p2p calls (nccl)."""
-    from src.collectives import demos, ring
-    from src.collectives.suite import run_suite
+    from src.engine.collectives import demos, ring
+    from src.engine.collectives.suite import run_suite
 
     def ring_on_nccl(pipelined: bool) -> None:
         real = ring._supports_coalescing

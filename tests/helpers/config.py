@@ -10,8 +10,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from src.run.identity import ensure_run_uid
-from src.utils.resolvers import register_resolvers
+from src.engine.run.identity import ensure_run_uid
+from src.engine.utils.resolvers import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs"

@@ -22,7 +22,7 @@ import runpy
 import sys
 import tempfile
 
-from src.runtime import prompt_exit
+from src.engine.runtime import prompt_exit
 
 prompt_exit.install()  # first, as the entry points do: their prompt exit runs after every other atexit handler
 

@@ -17,7 +17,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from src.strategies.ddp import DDPStrategy  # noqa: E402
+from src.engine.strategies.ddp import DDPStrategy  # noqa: E402
 
 
 class Tiny(L.LightningModule):

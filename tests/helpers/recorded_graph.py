@@ -73,7 +73,7 @@ class Recording(TorchDispatchMode):
 
 
 class RecordedGraph:
-    """``capture()`` and ``replay()``, as :class:`src.models.step_capture.CudaStepGraph` has them."""
+    """``capture()`` and ``replay()``, as :class:`src.engine.steps.step_capture.CudaStepGraph` has them."""
 
     def __init__(self) -> None:
         self.ops: list[tuple[Any, tuple, dict, Any]] = []

@@ -70,7 +70,7 @@ def wait_for_checkpoint(proc: subprocess.Popen, log_dir: Path, timeout: float = 
 
 def last_checkpoint(run_dir: Path) -> dict:
     """``checkpoints/last.ckpt`` of a run, a file or a sharded folder, read whole."""
-    from src.checkpointing.io import load_checkpoint_file
+    from src.engine.checkpointing.io import load_checkpoint_file
 
     return load_checkpoint_file(run_dir / "checkpoints" / "last.ckpt")
 

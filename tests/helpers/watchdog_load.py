@@ -4,7 +4,7 @@
 128 and 256 for the figures in docs/faults.md.
 
 Each rank is a process forked from this one (torch and the watchdog are imported once, so 256 ranks
-start in seconds), running :class:`src.runtime.watchdog.RankWatchdog` on a client of a TCPStore that
+start in seconds), running :class:`src.engine.runtime.watchdog.RankWatchdog` on a client of a TCPStore that
 this process serves on 127.0.0.1, as torchrun's agent serves one. Ranks are grouped into pretend hosts
 (``--ranks-per-host``, 8 as on a GPU node): each rank's host name is patched, so it checks the
 processes of its own 7 neighbours, as on a real node. Measured, per N:
@@ -68,7 +68,7 @@ def _rank(module: Any, rank: int, n: int, port: int, counts: Any, per_host: int,
 
 
 def measure(n: int, fault: str, per_host: int = 8, timeout_s: float = 10.0, interval_s: float = 1.0,
-            window_s: float = 10.0, module_name: str = "src.runtime.watchdog") -> dict[str, Any]:
+            window_s: float = 10.0, module_name: str = "src.engine.runtime.watchdog") -> dict[str, Any]:
     """Start ``n`` ranks, measure the store's load over ``window_s``, then ``fault`` ("kill"/"stop"/"none") the
     last one."""
     module = importlib.import_module(module_name)

@@ -1,4 +1,4 @@
-"""Collectives: runs ``python -m src.collectives mode=bench`` (the collectives room's benchmark) when present."""
+"""Collectives: runs ``python -m src.engine.collectives mode=bench`` (the collectives room's benchmark) when present."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ from scripts.bench import contenders
 from scripts.bench.contenders import ROOT
 from scripts.bench.context import Bench, SuiteResult
 
-ENTRY = ROOT / "src" / "collectives" / "__main__.py"  # run as `python -m src.collectives`
+ENTRY = ROOT / "src" / "engine" / "collectives" / "__main__.py"  # run as `python -m src.engine.collectives`
 QUICK = ["bench.min_size=1KB", "bench.max_size=4MB", "bench.factor=16", "bench.iters=10", "bench.warmup=2"]
 
 
 def run(bench: Bench) -> SuiteResult:
-    result = SuiteResult("collectives", "Collectives (python -m src.collectives mode=bench)")
+    result = SuiteResult("collectives", "Collectives (python -m src.engine.collectives mode=bench)")
     if not ENTRY.exists():
         result.notes.append(f"not available: {ENTRY} is missing")
         return result
     out_dir = bench.out / "collectives"
     n = bench.settings.nproc
-    cmd = [sys.executable, "-m", "src.collectives", "mode=bench", f"nproc={n}", f"hydra.run.dir={out_dir}",
+    cmd = [sys.executable, "-m", "src.engine.collectives", "mode=bench", f"nproc={n}", f"hydra.run.dir={out_dir}",
            *([] if bench.settings.full else QUICK)]
     log = bench.out / "logs" / "collectives.log"
     with open(log, "wb") as fh:
@@ -46,7 +46,7 @@ def run(bench: Bench) -> SuiteResult:
 
 def _op(row: dict) -> str:
     """The op's name; the memcpy row says what it copied (on a GPU: inside one GPU, not over a link)."""
-    from src.collectives.report import memcpy_label
+    from src.engine.collectives.report import memcpy_label
 
     return memcpy_label(row.get("device", "cpu")) if row["op"] == "memcpy" else row["op"]
 

@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from src.utils.errors import DataError
+from src.engine import DataError
 
 
 def check_writable_dir(path: str | Path, what: str) -> None:

@@ -15,7 +15,7 @@ class MLP(nn.Sequential):
     strategy relies on: the children are the ordered blocks it may split between stages.
     """
 
-    capture_safe = True  # its forward may run inside a captured step (src/models/step_capture.py)
+    capture_safe = True  # its forward may run inside a captured step (src/engine/steps/step_capture.py)
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ class ResNet18(nn.Sequential):
     strategy's split points.
     """
 
-    capture_safe = True  # its forward may run inside a captured step (src/models/step_capture.py)
+    capture_safe = True  # its forward may run inside a captured step (src/engine/steps/step_capture.py)
 
     def __init__(self, in_channels: int = 3, num_classes: int = 10, image_size: int = 32) -> None:
         del image_size  # accepted so every net takes the same data-derived arguments

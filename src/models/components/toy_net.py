@@ -10,7 +10,7 @@ from torch import nn
 class ToyNet(nn.Sequential):
     """Two linear blocks (``net1`` with its ReLU, then ``net2``): the smallest model with two pipeline stages."""
 
-    capture_safe = True  # its forward may run inside a captured step (src/models/step_capture.py)
+    capture_safe = True  # its forward may run inside a captured step (src/engine/steps/step_capture.py)
 
     def __init__(self, in_features: int = 10, hidden: int = 10, out_features: int = 5) -> None:
         super().__init__(

@@ -1,5 +1,0 @@
-"""``dp``: single-process data parallelism; the strategy and its shard runner."""
-
-from src.strategies.dp.strategy import DataParallelStrategy
-
-__all__ = ["DataParallelStrategy"]

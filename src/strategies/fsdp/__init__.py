@@ -1,5 +1,0 @@
-"""``fsdp``: fully sharded data parallel (FSDP2) of any LightningModule, its units picked by a wrap policy."""
-
-from src.strategies.fsdp.strategy import FSDPStrategy
-
-__all__ = ["FSDPStrategy"]
