@@ -123,12 +123,12 @@ def test_mnist_datamodule_loads_mnist_and_the_fashion_one_fashion_mnist(mnist_fo
 
 
 @pytest.mark.fast
-def test_src_utils_exports_ashleves_names_without_importing_lightning():
+def test_src_engine_exports_ashleves_names_without_importing_lightning():
     import subprocess
     import sys
 
-    code = ("import sys, src.engine.utils.errors; assert 'lightning' not in sys.modules; "
-            "from src.engine.utils import extras, task_wrapper, get_metric_value, instantiate_callbacks, instantiate_loggers, "
+    code = ("import sys; from src.engine import DataError; assert 'lightning' not in sys.modules; "
+            "from src.engine import extras, task_wrapper, get_metric_value, instantiate_callbacks, instantiate_loggers, "
             "log_hyperparameters, print_config_tree, RankedLogger; print(task_wrapper.__module__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "src.engine.utils.task"

@@ -71,6 +71,7 @@ _WHERE = {
     "instantiate_callbacks": "src.engine.utils.instantiators",
     "instantiate_loggers": "src.engine.utils.instantiators",
     "log_hyperparameters": "src.engine.utils.logging_utils",
+    "print_config_tree": "src.engine.utils.rich_utils",
     "PredictionWriter": "src.engine.callbacks.prediction_writer",
     "PredictDataModule": "src.engine.data.predict_datamodule",
     "SplitPredictDataModule": "src.engine.data.predict_datamodule",

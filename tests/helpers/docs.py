@@ -7,8 +7,8 @@ import re
 from tests.helpers.config import ROOT
 
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python src/(?:train|eval|export|predict)\.py|torchrun .*(?:src/train\.py|-m src\.collectives)"
-                     r"|srun python src/train\.py|python -m (?:src\.collectives|scripts\.bench|pytest)|make)\b")
+COMMAND = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python src/(?:train|eval|export|predict)\.py|torchrun .*(?:src/train\.py|-m src\.engine\.collectives)"
+                     r"|srun python src/train\.py|python -m (?:src\.engine\.collectives|scripts\.bench|pytest)|make)\b")
 
 
 def readme_commands() -> list[str]:
