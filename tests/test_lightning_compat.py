@@ -59,9 +59,9 @@ def _required_in(source: str) -> set[str]:
 # reached without a check: the hook and slot Lightning builds a strategy's launcher in (the sanctioned place), the
 # name the hook-name mixin compares against (a miss there only makes hook-name writes slower), the sync_batchnorm
 # slot that the Trainer fills only where a strategy has it (read with a default); this module's own names
-UNCHECKED = {"_configure_launcher", "_launcher", "_current_fx_name", "_layer_sync", "_CHECKPOINT_IO",
-             "_PER_BATCH_CHECK", "_SIGTERM_HANDLER", "_NVML_CHECK", "_NVML_LIBRARY", "_AUTOMATIC_STEPS",
-             "_MANUAL_STEPS", "_code_names", "_launcher_class"}
+UNCHECKED = {"_configure_launcher", "_launcher", "_current_fx_name", "_layer_sync", "_PER_BATCH_CHECK",
+             "_SIGTERM_HANDLER", "_NVML_CHECK", "_NVML_LIBRARY", "_AUTOMATIC_STEPS", "_MANUAL_STEPS", "_code_names",
+             "_launcher_class"}
 
 
 @pytest.mark.fast
@@ -105,10 +105,9 @@ CHECKS = [  # (accessor, argument, the name it lacks, the feature named)
      "no periodic last.ckpt"),
     (compat.log_training_epoch_now, lambda: _trainer_without("trainer", "_logger_connector"), "_logger_connector",
      "an epoch's training row"),
-    (compat.given_checkpoint_io, lambda: types.SimpleNamespace(), "_checkpoint_io", "atomic checkpoint saves"),
     (compat.layer_sync_of, None, None, None),  # reads the slot the Trainer fills only where it exists: no check
     (compat.state_reductions, lambda: types.SimpleNamespace(), "_reductions", "a running metric resumed"),
-    (compat.forget_mesh_groups, lambda: types.SimpleNamespace(), "_root_mesh", "fsdp's sub-groups"),
+    (compat.forget_mesh_groups, lambda: types.SimpleNamespace(), "_pg_registry", "fsdp's sub-groups"),
     (compat.replica_sharing_parameters, lambda: types.SimpleNamespace(), "_replicate_for_data_parallel",
      "dp replicas on CPU"),
 ]

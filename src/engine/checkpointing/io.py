@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import inspect
 import os
 import tempfile
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.strategies import Strategy
 
 from src.engine.checkpointing.files import (  # noqa: F401 - names of this module's interface
     _PATH,
@@ -44,7 +46,6 @@ from src.engine.checkpointing.files import (  # noqa: F401 - names of this modul
 )
 from src.engine.checkpointing.plain import plain_hyperparameters
 from src.engine.checkpointing.sharded import is_sharded_checkpoint, read_sharded
-from src.engine.utils import lightning_compat as compat
 from src.engine.utils.errors import CheckpointError
 
 
@@ -199,17 +200,27 @@ def atomic_by_default(io: CheckpointIO | None) -> CheckpointIO:
 class AtomicCheckpointIODefault:
     """Strategy mixin (list it before Lightning's strategy class): ``checkpoint_io`` defaults to
     :class:`AtomicCheckpointIO` instead of Lightning's ``TorchCheckpointIO``; one passed in or set by the
-    Trainer's ``plugins`` is kept."""
+    Trainer's ``plugins`` is kept (the Trainer hands either to the ``checkpoint_io`` setter). Lightning's own getter
+    and setter keep its slot: its setter is called with the same IO, so what Lightning reads there agrees."""
+
+    _checkpoint_io_given: CheckpointIO | None = None  # passed to __init__ or set since; None: the atomic default
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the checkpoint_io argument of Lightning's __init__ (the next one in the MRO), however it was passed
+        given = inspect.signature(super().__init__).bind(*args, **kwargs).arguments.get("checkpoint_io")
+        self._checkpoint_io_given = given
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
-        io = atomic_by_default(compat.given_checkpoint_io(self))
-        compat.set_checkpoint_io(self, io)
+        io = atomic_by_default(self._checkpoint_io_given)
+        self.checkpoint_io = io
         return io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        compat.set_checkpoint_io(self, io)
+        self._checkpoint_io_given = io
+        Strategy.checkpoint_io.fset(self, io)  # Lightning's setter, for what it reads from its own slot
 
 
 def load_checkpoint_file(path: _PATH, map_location: Any = "cpu", weights_only: bool = True) -> Any:

@@ -216,9 +216,10 @@ def learning_rates_as_floats(checkpoint: dict) -> None:
         for group in state.get("param_groups", []):
             if isinstance(group.get("lr"), Tensor):
                 group["lr"] = group["lr"].item()
-    for state in checkpoint.get("lr_schedulers", []):
-        if "_last_lr" in state:
-            state["_last_lr"] = [lr.item() if isinstance(lr, Tensor) else lr for lr in state["_last_lr"]]
+    for state in checkpoint.get("lr_schedulers", []):  # a scheduler's last learning rates, one per group
+        for key, value in state.items():
+            if isinstance(value, list) and any(isinstance(lr, Tensor) for lr in value):
+                state[key] = [lr.item() if isinstance(lr, Tensor) else lr for lr in value]
 
 
 class StepCapture:

@@ -3,7 +3,8 @@
 Each accessor checks its private names when its feature runs (:func:`require`, on the live object), so a release
 that renames one breaks that feature with one line naming the version and the feature, and nothing else. Only the
 two launcher base classes are looked up at import (the project's launchers subclass them). Where Lightning or torch has a public way (the loops' progress counters, the profiler,
-``dist.get_backend``, ``move_data_to_device``, a property override) the project uses it instead;
+``dist.get_backend``, ``move_data_to_device``, a property override, the ``checkpoint_io`` setter,
+``named_buffers``/``named_modules`` with ``setattr``) the project uses it instead;
 ``tests/test_private_names.py`` counts what remains by scanning the code. Checked against lightning 2.5.6 to 2.6.6 and
 torch 2.14.1 (and run with torch 2.11 on a GPU machine).
 """
@@ -93,6 +94,7 @@ def _launcher_class(module: Any, name: str, feature: str) -> type:
     return getattr(module, name)
 
 
+# Lightning has no public launcher base: its own strategies build these private classes in _configure_launcher
 # the base classes of the project's launchers (src.engine.strategies.launchers), looked up when that module defines them
 SubprocessScriptLauncher = _launcher_class(subprocess_script, "_SubprocessScriptLauncher", "the popen launcher")
 MultiProcessingLauncher = _launcher_class(mp_launcher, "_MultiProcessingLauncher", "the spawn launcher")
@@ -122,6 +124,7 @@ class BuildsLauncher:
 def set_mesh_sizes(strategy: ModelParallelStrategy, data_parallel: int, tensor_parallel: int) -> None:
     """The ``data_parallel x tensor_parallel`` mesh Lightning builds in ``setup_environment``, once the world size is
     known (its ``"auto"`` puts every device of a node on the tensor-parallel axis)."""
+    # public only as __init__ arguments, and the world size is known after __init__ (the Trainer sets it)
     for name in ("_data_parallel_size", "_tensor_parallel_size"):
         require(strategy, name, "the fsdp device mesh")
     strategy._data_parallel_size = data_parallel
@@ -129,32 +132,18 @@ def set_mesh_sizes(strategy: ModelParallelStrategy, data_parallel: int, tensor_p
 
 
 def forget_mesh_groups(mesh: DeviceMesh) -> None:
-    """Drop the process groups a DeviceMesh (and its root) holds: the last Python references to its sub-groups,
-    so destroying the default group joins their gloo threads (:mod:`src.engine.runtime.exit_cleanup`)."""
-    require(mesh, "_root_mesh", "fsdp's sub-groups released before the group is destroyed")
-    for holder in (mesh, mesh._root_mesh):
-        if holder is not None:
-            require(holder, "_pg_registry", "fsdp's sub-groups released before the group is destroyed")
-            holder._pg_registry.clear()
-
-
-_CHECKPOINT_IO = "_checkpoint_io"  # Strategy: the CheckpointIO given to it (None: Lightning's default)
-
-
-def given_checkpoint_io(strategy: Strategy) -> Any:
-    """The CheckpointIO passed to ``strategy`` or set by the Trainer's ``plugins``, or None."""
-    require(strategy, _CHECKPOINT_IO, "atomic checkpoint saves by default")
-    return getattr(strategy, _CHECKPOINT_IO)
-
-
-def set_checkpoint_io(strategy: Strategy, io: Any) -> None:
-    require(strategy, _CHECKPOINT_IO, "atomic checkpoint saves by default")
-    setattr(strategy, _CHECKPOINT_IO, io)
+    """Drop the process groups a DeviceMesh holds: the last Python references to its sub-groups, so destroying the
+    default group joins their gloo threads (:mod:`src.engine.runtime.exit_cleanup`). A slice's groups may be held
+    by the mesh it was sliced from: pass that one too."""
+    # no public way to release them: the mesh lives on in the sharded parameters (DTensor.device_mesh)
+    require(mesh, "_pg_registry", "fsdp's sub-groups released before the group is destroyed")
+    mesh._pg_registry.clear()
 
 
 def accept_sync_batchnorm(strategy: Strategy) -> None:
     """Give a strategy that is not Lightning's DDP the slot where the Trainer puts ``sync_batchnorm``'s plugin
     (it fills it only where it exists), so the strategy can see the request and refuse it."""
+    # the Trainer keeps sync_batchnorm nowhere public; it hands the plugin to this slot only
     strategy._layer_sync = None
 
 
@@ -174,6 +163,7 @@ def replace_sigterm_check(trainer: Trainer, per_batch_check: Callable[[], None],
 
     Must run before Lightning registers its signal handlers (the strategy's ``setup`` does).
     """
+    # Lightning has no setting for its per-batch broadcast or its SIGTERM handler: both are swapped in place
     loop, feature = trainer.fit_loop.epoch_loop, "the agreed SIGTERM stop"
     require(loop, _PER_BATCH_CHECK, feature)
     require(CalledIn(type(loop).advance), _PER_BATCH_CHECK, feature)
@@ -192,6 +182,7 @@ def per_batch_check_of(trainer: Trainer) -> Any:
 
 def mark_sigterm_received(trainer: Trainer) -> None:
     """Tell Lightning this rank was signalled, so it stops (and its callbacks see it) as after its own handler."""
+    # trainer.received_sigterm is a read-only property of the connector's flag
     require(trainer, "_signal_connector", "the SIGTERM stop")
     trainer._signal_connector.received_sigterm = True
 
@@ -205,7 +196,7 @@ class FastHookName:
     """
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "_current_fx_name":
+        if name == "_current_fx_name":  # Lightning's own attribute, written by its hooks; no public setting
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
@@ -237,6 +228,7 @@ def skip_nvml_check_without_nvml(load: Callable[[str], Any] = ctypes.CDLL) -> bo
 def state_reductions(metric: Metric) -> dict[str, Callable | None]:
     """How a torchmetrics ``metric`` reduces each of its states across ranks (its ``dist_reduce_fx``, as a function
     of the states stacked along dim 0, e.g. ``torchmetrics.utilities.data.dim_zero_sum``)."""
+    # torchmetrics keeps dist_reduce_fx only there (merge_state weighs a mean by update count instead)
     require(metric, "_reductions", "a running metric resumed on another number of ranks")
     return dict(metric._reductions)
 
@@ -260,7 +252,7 @@ def collectives_entered() -> int:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    group = dist.group.WORLD
+    group = dist.group.WORLD  # torch counts collectives per group, and shows the count nowhere public
     require(group, "_get_sequence_number_for_group", "naming a stuck rank (collectives it entered)")
     return int(group._get_sequence_number_for_group())
 
@@ -269,7 +261,7 @@ def flight_recorder_dump() -> bytes:
     """torch's flight-recorder record of this process's collectives (a pickle; ``TORCH_FR_BUFFER_SIZE`` > 0
     must have been set before the process group was made): what ``python -m torch.distributed.flight_recorder.fr_trace``
     reads, as NCCL's own dump on a collective timeout writes it."""
-    feature = "a stuck rank's flight-recorder record"
+    feature = "a stuck rank's flight-recorder record"  # torch dumps it publicly only on an NCCL timeout
     require(torch, "_C", feature)
     require(torch._C, "_distributed_c10d", feature)
     require(torch._C._distributed_c10d, "_dump_fr_trace", feature)
@@ -300,18 +292,25 @@ def replica_sharing_parameters(module: nn.Module) -> nn.Module:
     only device 0's replica shares the root's buffers. Built like ``torch.nn.parallel.replicate``,
     whose broadcast step needs CUDA.
     """
-    for name in ("_replicate_for_data_parallel", "_parameters", "_buffers", "_modules"):
+    for name in ("_replicate_for_data_parallel", "_parameters"):
         require(module, name, "dp replicas on CPU")
+    # torch's own copy for replicate(): the instance dict, with the buffer and submodule slots copied, not shared
     copies = {m: m._replicate_for_data_parallel() for m in module.modules()}
     for original, replica in copies.items():
-        replica._parameters = dict(original._parameters)
-        replica._buffers = {k: None if b is None else b.clone() for k, b in original._buffers.items()}
-        replica._modules = {k: None if c is None else copies[c] for k, c in original._modules.items()}
+        replica._parameters = dict(original._parameters)  # the same tensors; a None slot (bias=False) stays
+        for name, buffer in original.named_buffers(recurse=False, remove_duplicate=False):
+            setattr(replica, name, buffer.clone())  # a None buffer stays None
+    paths = dict(module.named_modules(remove_duplicate=False))  # every name a submodule is held under
+    for path, child in paths.items():
+        if path:
+            parent, _, name = path.rpartition(".")
+            setattr(copies[paths[parent]], name, copies[child])
     return copies[module]
 
 
 def point_replica_at(replica: nn.Module, device: torch.device) -> None:
     """So ``self.device`` of a LightningModule/Metric replica made by ``nn.parallel.replicate`` is its own."""
+    # a module's device is set publicly only by moving its tensors, which the replicas must not do
     if isinstance(replica, LightningModule):
         require(replica, "_device", "dp replicas on their own devices")
     for sub in replica.modules():
@@ -325,6 +324,7 @@ def bound_forwards(module: nn.Module) -> list[str]:
     A replica copies the instance ``__dict__``, so such a forward would still run the original
     module's parameters instead of the replica's.
     """
+    # nn.Module.compile() leaves no public mark but this slot
     require(module, "_compiled_call_impl", "dp refusing compiled modules")
     return [name or "<root>" for name, m in module.named_modules()
             if "forward" in m.__dict__ or m.__dict__.get("_compiled_call_impl") is not None]
@@ -336,7 +336,8 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
     dataclasses, ``torch.Size``, dtypes and layouts (by name), and paths. Nothing here runs code when called."""
     import pathlib
 
-    feature = "reading sharded checkpoints' metadata without running code"
+    feature = "reading sharded checkpoints' metadata without running code"  # names the pickle holds; torch's reader
+    # (FileSystemReader.read_metadata) unpickles with no list of globals
     for owner, name in ((dcp_metadata, "_MEM_FORMAT_ENCODING"), (dcp_filesystem, "_StorageInfo"),
                         (torch.serialization, "_get_layout")):
         require(owner, name, feature)
@@ -371,6 +372,7 @@ def validation_follows(trainer: Trainer) -> bool:
     A checkpoint saved before that validation skips it on resume: Lightning fast-forwards a validation that
     was due at the batch a fit restarts from."""
     loop, feature = trainer.fit_loop, "no periodic last.ckpt between a step and the validation due after it"
+    # Lightning's own decision, taken from its loop; no public one (a copy would drift from its rules)
     require(loop, "_data_fetcher", feature)
     require(loop.epoch_loop, "_should_check_val_fx", feature)
     return loop._data_fetcher is not None and loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
@@ -388,7 +390,7 @@ def fit_ends_on_should_stop(trainer: Trainer) -> bool:
 def timer_limits(trainer: Trainer) -> list[float | None]:
     """The ``max_time`` of each of the trainer's Timer callbacks, in seconds."""
     timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
-    for timer in timers:
+    for timer in timers:  # public: time_remaining() + time_elapsed(), two clock reads apart, so never exactly it
         require(timer, "_duration", "a fit stopped by max_time, resumed under the same limit")
     return [timer._duration for timer in timers]
 
@@ -401,7 +403,8 @@ def log_training_epoch_now(trainer: Trainer) -> None:
     Here the loop's own calls run early: the epoch's values reach the progress bar and callback metrics, the
     row is logged at the step Lightning logs an epoch's end at, and the results are reset, so the loop's
     later calls find nothing left to write."""
-    feature = "an epoch's training row written before its last.ckpt"
+    feature = "an epoch's training row written before its last.ckpt"  # the loop's own calls: no public logging
+    # entry point writes an epoch's row at Lightning's step and resets it
     require(trainer, "_logger_connector", feature)
     require(trainer.fit_loop.epoch_loop, "_batches_that_stepped", feature)
     for name in ("update_train_epoch_metrics", "_batches_that_stepped"):  # the loop's own calls this runs early
@@ -420,6 +423,7 @@ def strategy_adds_to_optimizer_step(strategy: Strategy) -> bool:
     DDP's post-local-SGD model averaging (``model_averaging_period``)."""
     step = type(strategy).optimizer_step
     if isinstance(strategy, DDPStrategy) and step is DDPStrategy.optimizer_step:
+        # DDP keeps model_averaging_period, and the averager it builds, nowhere public
         require(strategy, "_model_averager", "the owned step's direct optimizer step")
         return strategy._model_averager is not None
     return step is not Strategy.optimizer_step

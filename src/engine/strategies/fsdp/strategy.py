@@ -161,7 +161,9 @@ class FSDPStrategy(WorkersOutliveStopSignals, compat.BuildsLauncher, AtomicCheck
         self.watch_process_group()
 
     def _release_groups(self) -> None:
-        """Drop the meshes' sub-groups, so destroying the group at exit joins their threads (as the pipeline does)."""
+        """Drop the meshes' sub-groups, so destroying the group at exit joins their threads (as the pipeline does).
+
+        Lightning's mesh is a root, and the shard mesh a slice of it or a root of its own: both hold all groups."""
         for mesh in (self._device_mesh_or_none(), self.shard_mesh):
             if mesh is not None:
                 compat.forget_mesh_groups(mesh)
