@@ -51,6 +51,7 @@ RUN_ELSEWHERE = {
 # Whole command -> why it is only dry-run (`make -n`: the target exists and expands).
 DRY_RUN = {
     "make test": "runs this whole suite, this test included",
+    "make test-oldest": "runs the fast tests again, on the oldest Lightning allowed; .ci/run runs it after the suite",
     "make bench": "benchmarks run for minutes by design; tests/test_bench.py runs their entry point briefly",
     "make bench-full": "benchmarks run for minutes by design (15-20 min)",
 }

@@ -36,7 +36,7 @@ from src.engine.utils.resolvers import register_resolvers  # noqa: E402
 register_resolvers()
 
 
-@hydra.main(version_base="1.3", config_path="../../configs", config_name="collectives")
+@hydra.main(version_base="1.3", config_path="../../../configs", config_name="collectives")
 def main(cfg: DictConfig) -> None:
     """Validate the config in this process, then run the mode on every rank.
 
