@@ -1,28 +1,21 @@
-"""The helper names ashleve's template exports from ``src.engine.utils``, loaded on first use.
+"""Config checks, errors, Hydra glue, logging and the guarded private names the machinery shares.
 
-``from src.engine.utils import extras, task_wrapper`` works as it does there. The names are resolved lazily
-(PEP 562), so importing a light module such as ``src.engine.utils.errors`` does not import Lightning.
+ashleve's template exports its helpers from ``src.utils``; here ``src.engine`` exports them, and for one release
+``from src.utils import extras, task_wrapper`` (this package, under its old name) still finds them there.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-_WHERE = {
-    "RankedLogger": "src.engine.utils.pylogger",
-    "extras": "src.engine.utils.task",
-    "get_metric_value": "src.engine.utils.task",
-    "task_wrapper": "src.engine.utils.task",
-    "instantiate_callbacks": "src.engine.utils.instantiators",
-    "instantiate_loggers": "src.engine.utils.instantiators",
-    "log_hyperparameters": "src.engine.utils.logging_utils",
-    "print_config_tree": "src.engine.utils.rich_utils",
-}
-__all__ = sorted(_WHERE)
+_ASHLEVES_NAMES = ("RankedLogger", "extras", "get_metric_value", "instantiate_callbacks", "instantiate_loggers",
+                   "log_hyperparameters", "print_config_tree", "task_wrapper")
+__all__ = list(_ASHLEVES_NAMES)
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
+    if name not in _ASHLEVES_NAMES:
         raise AttributeError(f"module 'src.engine.utils' has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+    import src.engine
+
+    return getattr(src.engine, name)
