@@ -8,6 +8,7 @@ import paths of the moved modules still answer, with the very module at the new 
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 import warnings
@@ -94,8 +95,6 @@ def test_a_light_public_name_does_not_import_lightning():
     ("src.data.components.resumable_loader", "src.engine.data.resumable_loader"),
 ])
 def test_an_old_import_path_is_the_module_at_its_new_one_with_a_warning(old, new):
-    import importlib
-
     sys.modules.pop(old, None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
