@@ -11,6 +11,7 @@ test-only delay per step (:class:`src.engine.callbacks.slow_rank.SlowRank`) keep
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import os
 import re
 import signal
@@ -22,8 +23,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from tests.helpers.config import ROOT
+from tests.helpers.multiprocess import run_workers
 from tests.helpers.training_runs import finish, launch, run_dirs
 from tests.test_ps import SLOW, TOY, train_run
 
@@ -237,3 +240,59 @@ def test_a_worker_stuck_in_its_step_is_dropped_and_exits_once_the_job_ended(tmp_
     assert re.search(r"worker 1, rank 2 \(host \S+, pid \d+\), left: it stopped responding for 4 s", (run_dir / "train.log").read_text())
     assert "rank 2: the job ended (finished) 4 s ago and this worker is still in its step (stuck); it exits now" in proc.stderr_text
     assert "error:" not in proc.stderr_text, proc.stderr_text[-3000:]
+
+
+def frozen_while_joining(rank: int, world_size: int, port: int, link_timeout_s: float) -> list[str]:
+    """Rank 0 serves one worker (rank 1) and freezes it (SIGSTOP) the moment its join is accepted, before the
+    answer reaches it; once the server has dropped it as frozen, it wakes it (SIGCONT). The worker then pushes
+    once and leaves. Rank 0 returns the server's log lines; rank 1, its incarnations."""
+    from src.engine.strategies.ps.client import ServerClient
+    from src.engine.strategies.ps.coordination import JobStore
+    from src.engine.strategies.ps.serve import ServerLinks
+    from src.engine.strategies.ps.server import ParameterServer
+
+    long, link_timeout = dt.timedelta(seconds=60), dt.timedelta(seconds=link_timeout_s)
+    jobs = JobStore(torch.distributed.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=long), long)
+    params = list(torch.nn.Linear(4, 1).parameters())
+    if rank == 1:
+        jobs.store.set(jobs.key("test", "pid"), str(os.getpid()))
+        client = ServerClient(jobs, 0, [params], [], link_timeout, long)
+        client.join()
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        client.push_pull(0.0, 1)
+        client.leave()
+        return [str(client.incarnation)]
+    lines: list[str] = []
+    server = ParameterServer(params, torch.optim.SGD(params, lr=0.1), [], 1, None, torch.device("cpu"),
+                             log=lambda worker, what: lines.append(what))
+    pid, accepted = int(jobs.store.get(jobs.key("test", "pid"))), server.join
+
+    def join_and_freeze(worker: int, incarnation: int, timeout_s: float):
+        member = accepted(worker, incarnation, timeout_s)
+        if incarnation == 1:
+            os.kill(pid, signal.SIGSTOP)
+        return member
+
+    server.join = join_and_freeze
+    links = ServerLinks(server, jobs, 0, link_timeout, long)
+    links.start()
+    server.open(0, None)
+    deadline = time.monotonic() + 60
+    while not any("stopped responding" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGCONT)
+    while not any("left: it finished" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    links.stop()
+    return lines
+
+
+def test_a_worker_frozen_while_its_join_is_answered_joins_again():
+    """A worker that froze while the server answered its join (SIGSTOP from the server's side) is dropped as
+    frozen; woken, it reads in the store that it was dropped, joins again as a new incarnation, pushes and
+    leaves, and the server carries on. It must not take the closed link for a dead server."""
+    lines, (incarnation,) = run_workers(frozen_while_joining, 2, find_free_network_port(), 2.0, timeout=120)
+    assert incarnation == "2", lines
+    assert lines[0].startswith("joined at") and lines[1].startswith("left: it stopped responding"), lines
+    assert lines[2].startswith("joined again") and lines[-1] == "left: it finished", lines

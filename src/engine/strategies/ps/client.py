@@ -91,7 +91,20 @@ class ServerClient:
         return [self.params_in[server], *([self.buffers_in] if server == 0 and self._with_buffers else [])]
 
     def join(self) -> None:
-        """Ask every server for a link (a new incarnation of this worker), then pull the parameters."""
+        """Ask every server for a link (a new incarnation of this worker), then pull the parameters. A worker
+        that froze while joining, and was dropped for it, joins again."""
+        while True:
+            try:
+                self._open_links()
+                self._exchange(header(JOIN, self.worker, self.incarnation), [[] for _ in self.shards],
+                               self.start_timeout)
+                return
+            except ServerLost as lost:
+                if not self._dropped(lost):
+                    raise
+            self.leave()
+
+    def _open_links(self) -> None:
         self.incarnation = self.jobs.add("incarnation", self.worker)
         keys = []
         for server in range(len(self.shards)):
@@ -104,7 +117,11 @@ class ServerClient:
                 self.links.append(Link(self.jobs.store, key, 1, self.timeout))
             except Exception as err:
                 raise ServerLost(server, err) from err
-        self._exchange(header(JOIN, self.worker, self.incarnation), [[] for _ in self.shards], self.start_timeout)
+
+    def _dropped(self, lost: ServerLost) -> bool:
+        """Whether ``lost`` means that server closed this incarnation's link as frozen (it is alive: join
+        again), not that it died or that the job ended meanwhile."""
+        return self.jobs.ended() is None and self.jobs.was_dropped(lost.server, self.worker, self.incarnation)
 
     def push_pull(self, loss_sum: float, samples: int) -> None:
         """Send every server its gradients (and server 0 the buffers), then take the parameters they answer with."""
@@ -117,8 +134,8 @@ class ServerClient:
         try:
             status = self._exchange(heads, payloads)
         except ServerLost as lost:
-            if self.jobs.ended() is not None or not self.jobs.was_dropped(lost.server, self.worker, self.incarnation):
-                raise  # the job ended meanwhile, or that server died
+            if not self._dropped(lost):
+                raise
             status = EVICTED  # this worker froze and woke: that server closed its link, and is alive
         if status == EVICTED:  # a server dropped this worker as frozen: join again (this push is lost)
             self.leave()
