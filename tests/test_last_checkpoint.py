@@ -312,3 +312,21 @@ def test_an_early_stopped_fit_resumed_from_its_end_trains_on_only_under_a_larger
         _, resumed = train(make_cfg("train", [*common, limit, "last_ckpt_every_n_train_steps=7", f"ckpt_path={last}"],
                                     subdir=limit))
         assert resumed["trainer"].global_step == steps, limit
+
+
+@pytest.mark.fast
+def test_a_timers_max_time_is_read_to_the_millisecond_before_and_while_it_runs():
+    """The max_time a last.ckpt notes (a resume under the same one stops where the fit would have), read from the
+    Timer's public remaining + elapsed."""
+    import time
+
+    from lightning.pytorch.callbacks import Timer
+
+    from src.engine.checkpointing.last_checkpoint import _max_time
+
+    timer = Timer(duration="00:00:01:30")
+    assert _max_time(timer) == 90.0
+    timer.on_train_start(None, None)  # the clock starts
+    time.sleep(0.05)
+    assert 0 < timer.time_elapsed() and _max_time(timer) == 90.0
+    assert _max_time(Timer(duration={"seconds": 2.5})) == 2.5

@@ -27,7 +27,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.trainer.states import TrainerFn
 
 from src.engine.checkpointing.loader_position import position_blocker
@@ -195,7 +195,15 @@ def saves_mid_epoch(trainer: L.Trainer) -> bool:
 
 def _limits(trainer: L.Trainer) -> list:
     """The limits a fit ran under: a resume under others (a larger max_epochs) means to train on."""
-    return [trainer.max_epochs, trainer.max_steps, *compat.timer_limits(trainer)]
+    return [trainer.max_epochs, trainer.max_steps, *map(_max_time, (cb for cb in trainer.callbacks
+                                                                    if isinstance(cb, Timer)))]
+
+
+def _max_time(timer: Timer) -> float | None:
+    """A Timer's ``max_time`` in seconds, to the millisecond: it shows the limit only as remaining + elapsed, two
+    clock reads microseconds apart."""
+    remaining = timer.time_remaining()
+    return None if remaining is None else round(remaining + timer.time_elapsed(), 3)
 
 
 def last_checkpoint_path(trainer: L.Trainer) -> Path:

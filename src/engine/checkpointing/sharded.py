@@ -14,7 +14,7 @@ under its temp name, and ``<name>`` missing).
 
 *No code runs while loading.* torch reads ``.metadata`` with ``pickle.load`` and non-tensor entries with
 ``torch.load(weights_only=False)``. Here ``.metadata`` is unpickled with a closed list of globals
-(:func:`src.engine.utils.lightning_compat.dcp_metadata_globals`), and a folder holding non-tensor entries is
+(:func:`metadata_globals`), and a folder holding non-tensor entries is
 refused (this project writes none: they go to ``meta.pt``, read with ``weights_only=True``).
 
 :func:`read_sharded` assembles the full tensors in one process with no process group (``src/eval.py`` on
@@ -24,8 +24,12 @@ one device); :func:`load_sharded` reads into a live model's shards on any number
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import ctypes
+import dataclasses
+import enum
 import os
+import pathlib
 import shutil
 import tempfile
 import warnings
@@ -35,6 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from src.engine.checkpointing.files import (
@@ -45,7 +51,6 @@ from src.engine.checkpointing.files import (
 )
 from src.engine.checkpointing.optimizer_state import indexed_optimizer_state
 from src.engine.checkpointing.plain import plain_hyperparameters
-from src.engine.utils import lightning_compat as compat
 from src.engine.utils.errors import CheckpointError
 from src.engine.utils.safe_unpickle import RefusedGlobal, RestrictedUnpickler
 
@@ -107,7 +112,7 @@ class SafeReader(dcp.FileSystemReader):
         path = Path(self.path) / DCP_METADATA
         try:
             with open(path, "rb") as f:
-                metadata = RestrictedUnpickler(f, compat.dcp_metadata_globals()).load()
+                metadata = RestrictedUnpickler(f, metadata_globals()).load()
         except RefusedGlobal as err:
             raise CheckpointError(f"{path} names {err}, which a checkpoint index never holds, so it was not loaded; "
                                   "fix: use a checkpoint saved by this project") from None
@@ -230,3 +235,27 @@ def _remove(path: Path) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def metadata_globals() -> dict[tuple[str, str], Any]:
+    """``(module, name) -> object`` for every global torch writes into a ``.metadata`` file: the dataclasses and
+    enums of its checkpoint metadata and filesystem modules, ``torch.Size``, dtypes, layouts and memory formats,
+    the function torch rebuilds a layout with, and paths. Nothing here runs code when called.
+
+    Found by kind, not by name (torch's own reader unpickles with no list of globals): a class torch renames is
+    still found, and nothing else of those modules is allowed."""
+    found: dict[tuple[str, str], Any] = {}
+    for module in (dcp_metadata, dcp_filesystem):
+        for name, value in vars(module).items():
+            if isinstance(value, type) and value.__module__ == module.__name__ and (
+                    dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)):
+                found[(module.__name__, name)] = value
+    rebuild_layout = copyreg.dispatch_table[torch.layout](torch.strided)[0]  # what torch pickles a layout with
+    found[(rebuild_layout.__module__, rebuild_layout.__name__)] = rebuild_layout
+    found[("torch", "Size")] = torch.Size
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+            found[("torch", name)] = value
+    found[("pathlib", "PosixPath")] = found[("pathlib", "WindowsPath")] = found[("pathlib", "Path")] = pathlib.Path
+    return found

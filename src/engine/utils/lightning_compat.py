@@ -23,14 +23,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import Metric
 
@@ -330,35 +327,6 @@ def bound_forwards(module: nn.Module) -> list[str]:
             if "forward" in m.__dict__ or m.__dict__.get("_compiled_call_impl") is not None]
 
 
-# -- sharded checkpoints: the globals a torch.distributed.checkpoint ``.metadata`` pickle names ---------------
-def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
-    """``(module, name) -> object`` for every global torch writes into a ``.metadata`` file: its metadata
-    dataclasses, ``torch.Size``, dtypes and layouts (by name), and paths. Nothing here runs code when called."""
-    import pathlib
-
-    feature = "reading sharded checkpoints' metadata without running code"  # names the pickle holds; torch's reader
-    # (FileSystemReader.read_metadata) unpickles with no list of globals
-    for owner, name in ((dcp_metadata, "_MEM_FORMAT_ENCODING"), (dcp_filesystem, "_StorageInfo"),
-                        (torch.serialization, "_get_layout")):
-        require(owner, name, feature)
-    meta = "torch.distributed.checkpoint.metadata"
-    found: dict[tuple[str, str], Any] = {
-        (meta, name): getattr(dcp_metadata, name)
-        for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                     "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-    }
-    found[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_filesystem._StorageInfo
-    found[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a layout from its name
-    found[("torch", "Size")] = torch.Size
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
-            found[("torch", name)] = value
-    found[("pathlib", "PosixPath")] = found[("pathlib", "WindowsPath")] = found[("pathlib", "Path")] = pathlib.Path
-    return found
-
-
-
 def epoch_ran_to_end(trainer: Trainer) -> bool:
     """Whether the training epoch that is ending ran all its batches: Lightning's own test before it steps a
     plateau scheduler (a stop at ``max_steps`` mid-epoch does not step one)."""
@@ -385,14 +353,6 @@ def fit_ends_on_should_stop(trainer: Trainer) -> bool:
     met_min_epochs = loop.epoch_progress.current.processed >= loop.min_epochs if loop.min_epochs else True
     met_min_steps = loop.epoch_loop.global_step >= loop.min_steps if loop.min_steps else True
     return trainer.should_stop and met_min_epochs and met_min_steps
-
-
-def timer_limits(trainer: Trainer) -> list[float | None]:
-    """The ``max_time`` of each of the trainer's Timer callbacks, in seconds."""
-    timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
-    for timer in timers:  # public: time_remaining() + time_elapsed(), two clock reads apart, so never exactly it
-        require(timer, "_duration", "a fit stopped by max_time, resumed under the same limit")
-    return [timer._duration for timer in timers]
 
 
 def log_training_epoch_now(trainer: Trainer) -> None:
