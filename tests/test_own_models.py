@@ -252,14 +252,33 @@ GAN = [SUBJECTS, "model=gan", "data=gaussian_points", "data.n=4096", "optimized_
        "optimized_mode=min", "trainer.max_epochs=4", *SHORT]
 
 
-@pytest.mark.faults
-@pytest.mark.parametrize("trainer", ["default", "ddp", "ddp_spawn", "ddp_fork", "fsdp"])
-def test_a_gan_with_two_optimizers_resumes_bit_exact_after_a_kill(trainer, tmp_path):
+def gan_trainer(trainer: str) -> list[str]:
     extra = [f"trainer={trainer}", f"trainer.devices={1 if trainer == 'default' else 2}"]
     if trainer.startswith("ddp"):  # each optimizer's loss leaves the other network's parameters unused
         extra.append("trainer.strategy.find_unused_parameters=true")
-    reference = train(tmp_path / "reference", *GAN, *extra)
-    run_dir = killed_and_resumed(tmp_path / "killed", *GAN, *extra)
+    return extra
+
+
+@pytest.fixture(scope="module")
+def gan_reference(tmp_path_factory):
+    """trainer -> an uninterrupted GAN run, made on first use. ddp, ddp_spawn and ddp_fork launch the same DDP on
+    two ranks, so one ``trainer=ddp`` run is the reference of all three (their results must not differ either)."""
+    runs: dict[str, Path] = {}
+
+    def reference(trainer: str) -> Path:
+        family = "ddp" if trainer.startswith("ddp") else trainer
+        if family not in runs:
+            runs[family] = train(tmp_path_factory.mktemp(f"gan_{family}") / "run", *GAN, *gan_trainer(family))
+        return runs[family]
+
+    return reference
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("trainer", ["default", "ddp", "ddp_spawn", "ddp_fork", "fsdp"])
+def test_a_gan_with_two_optimizers_resumes_bit_exact_after_a_kill(trainer, gan_reference, tmp_path):
+    reference = gan_reference(trainer)
+    run_dir = killed_and_resumed(tmp_path / "killed", *GAN, *gan_trainer(trainer))
     assert not differing(reference, run_dir)
     assert not logged_steps_twice(run_dir)
     assert status(run_dir)["metrics"]["test/d_loss"] == status(reference)["metrics"]["test/d_loss"]
