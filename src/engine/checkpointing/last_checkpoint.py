@@ -195,8 +195,8 @@ def saves_mid_epoch(trainer: L.Trainer) -> bool:
 
 def _limits(trainer: L.Trainer) -> list:
     """The limits a fit ran under: a resume under others (a larger max_epochs) means to train on."""
-    return [trainer.max_epochs, trainer.max_steps, *map(_max_time, (cb for cb in trainer.callbacks
-                                                                    if isinstance(cb, Timer)))]
+    timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
+    return [trainer.max_epochs, trainer.max_steps, *map(_max_time, timers)]
 
 
 def _max_time(timer: Timer) -> float | None:

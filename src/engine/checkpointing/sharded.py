@@ -14,8 +14,8 @@ under its temp name, and ``<name>`` missing).
 
 *No code runs while loading.* torch reads ``.metadata`` with ``pickle.load`` and non-tensor entries with
 ``torch.load(weights_only=False)``. Here ``.metadata`` is unpickled with a closed list of globals
-(:func:`metadata_globals`), and a folder holding non-tensor entries is
-refused (this project writes none: they go to ``meta.pt``, read with ``weights_only=True``).
+(:func:`metadata_globals`), and a folder holding non-tensor entries is refused (this project writes none: they go
+to ``meta.pt``, read with ``weights_only=True``).
 
 :func:`read_sharded` assembles the full tensors in one process with no process group (``src/eval.py`` on
 one device); :func:`load_sharded` reads into a live model's shards on any number of ranks.
