@@ -44,6 +44,7 @@ _WHERE = {
     "CollectivesCheck": "src.engine.collectives.callback",
     # what the entry points call, in the order a run calls it
     "prompt_exit": "src.engine.runtime.prompt_exit",
+    "start_ranks_early": "src.engine.runtime.early_ranks",
     "hydra_main": "src.engine.utils.hydra_errors",
     "extras": "src.engine.utils.task",
     "task_wrapper": "src.engine.utils.task",
