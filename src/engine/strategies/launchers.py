@@ -34,6 +34,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from src.engine.checkpointing.last_checkpoint import trainer_position
 from src.engine.run.identity import shared_with_forked_ranks
+from src.engine.runtime import early_ranks
 from src.engine.runtime.child_guard import guard_child_ranks
 from src.engine.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
 from src.engine.runtime.hydra_launch import entry_command
@@ -48,7 +49,9 @@ from src.engine.runtime.sigterm import (
 from src.engine.strategies.global_batch import per_replica_batch_size
 from src.engine.utils import lightning_compat as compat
 from src.engine.utils.hooks import ChecksBeforeLaunch, FetchesData, GlobalBatch
-from src.engine.utils.pylogger import current_rank
+from src.engine.utils.pylogger import RankedLogger, current_rank
+
+log = RankedLogger(__name__)
 
 # -- the pre-flight: once per trainer and model, before any rank starts ------------------------------------
 _checked: weakref.WeakKeyDictionary[L.Trainer, tuple[int, int]] = weakref.WeakKeyDictionary()
@@ -127,7 +130,8 @@ class PreflightSubprocessLauncher(compat.SubprocessScriptLauncher):
 
     def start_child_ranks(self) -> None:
         """Start this node's other ranks, as Lightning's popen launcher does: each re-runs the command (under Hydra,
-        this job's: :func:`child_command`) with the rendezvous and its local rank in its environment."""
+        this job's: :func:`child_command`) with the rendezvous and its local rank in its environment. A rank the
+        entry script started early is given that command instead of a new process."""
         if self.procs:
             raise RuntimeError("The launcher can only create subprocesses once.")
         environment = self.cluster_environment
@@ -139,10 +143,18 @@ class PreflightSubprocessLauncher(compat.SubprocessScriptLauncher):
         os.environ["NODE_RANK"] = str(environment.node_rank())
         os.environ["LOCAL_RANK"] = str(environment.local_rank())
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        adopted = []
         for local_rank in range(1, self.num_processes):
             env = {**os.environ, "LOCAL_RANK": str(local_rank)}
             command, cwd = child_command(local_rank) if _hydra_initialized() else (_plain_command(), None)
-            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+            # a rank the entry script started early (src/engine/runtime/early_ranks.py) has imported already
+            proc = early_ranks.adopt(local_rank, command, env, cwd)
+            if proc is not None:
+                adopted.append(local_rank)
+            self.procs.append(proc or subprocess.Popen(command, env=env, cwd=cwd))
+        early_ranks.end_unadopted()  # more were started early than this launch needs
+        if adopted:
+            log.info(f"local ranks {adopted} had started with the command: their imports are done")
 
 
 class PreflightMultiprocessingLauncher(compat.MultiProcessingLauncher):
