@@ -19,10 +19,14 @@ import rootutils
 # the project root on sys.path and in PROJECT_ROOT; .env is loaded by LoadDotenv (src/engine/utils/job_setup.py)
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True, dotenv=False)
 
-from src.engine import prompt_exit
+from src.engine import prompt_exit, start_ranks_early
+
+HYDRA = {"version_base": "1.3", "config_path": "../configs", "config_name": "predict.yaml"}
 
 if __name__ == "__main__":
     prompt_exit.install()  # before the imports below register their atexit handlers: it must run after them
+    # trainer=ddp: the other ranks start now and import while this one does (in such a rank: it waits here)
+    start_ranks_early(__file__, **HYDRA)
 
 import hydra
 import lightning as L
@@ -82,7 +86,7 @@ def predict(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     return ({} if writer.accuracy is None else {"predict/acc": writer.accuracy}), objects
 
 
-@hydra_main(version_base="1.3", config_path="../configs", config_name="predict.yaml")  # config errors: 1 line
+@hydra_main(**HYDRA)  # config errors: 1 line
 def main(cfg: DictConfig) -> None:
     with isolated_job():
         require_ckpt_path(cfg, "predict.py", "predict with")

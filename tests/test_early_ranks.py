@@ -86,9 +86,9 @@ def test_how_many_ranks_a_command_starts_early(overrides, env, count, monkeypatc
 
 
 @pytest.mark.slow
-def test_ddp_train_and_eval_adopt_the_rank_they_started_with_the_command(tmp_path):
-    """`python src/train.py trainer=ddp`, then `src/eval.py` on its checkpoint: in each, rank 1 started before
-    rank 0 imported Lightning, and ran."""
+def test_ddp_train_eval_and_predict_adopt_the_rank_they_started_with_the_command(tmp_path):
+    """`python src/train.py trainer=ddp`, then `src/eval.py` and `src/predict.py` on its checkpoint: in each, rank 1
+    started before rank 0 imported Lightning, and ran."""
     def run(script: str, *overrides: str) -> str:
         proc = subprocess.run([sys.executable, str(ROOT / "src" / f"{script}.py"), *TOY, "trainer=ddp",
                                "trainer.devices=2", f"hydra.run.dir={tmp_path}/{script}", *overrides],
@@ -96,6 +96,7 @@ def test_ddp_train_and_eval_adopt_the_rank_they_started_with_the_command(tmp_pat
         assert proc.returncode == 0, proc.stderr[-3000:]
         return (tmp_path / script / f"{script}.log").read_text()
 
-    for log in (run("train"), run("eval", f"ckpt_path={tmp_path}/train/checkpoints/last.ckpt")):
+    ckpt = f"ckpt_path={tmp_path}/train/checkpoints/last.ckpt"
+    for log in (run("train"), run("eval", ckpt), run("predict", ckpt)):
         assert "local ranks [1] had started with the command" in log
         assert "[rank 1]" in log  # it joined the run and logged into the parent's log file
