@@ -188,3 +188,18 @@ def assert_direct_step_equals_lightnings_calls(make_cfg, listener: str, *overrid
 @pytest.mark.parametrize("listener", list(LISTENERS))
 def test_the_direct_owned_step_equals_the_one_through_lightnings_calls(make_cfg, listener):
     assert_direct_step_equals_lightnings_calls(make_cfg, listener)
+
+
+@pytest.mark.fast
+def test_the_direct_step_steps_aside_for_ddps_model_averaging():
+    """Post-local SGD averages the parameters inside DDP's optimizer step: the direct call would skip that."""
+    from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from src.engine.steps.owned_step import adds_to_optimizer_step
+    from src.engine.strategies.ddp import DDPStrategy
+
+    assert not adds_to_optimizer_step(DDPStrategy())
+    assert adds_to_optimizer_step(DDPStrategy(model_averaging_period=4))
+    assert adds_to_optimizer_step(LightningDDPStrategy())  # it does not say whether it averages
+    assert not adds_to_optimizer_step(SingleDeviceStrategy("cpu"))

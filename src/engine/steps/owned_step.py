@@ -31,6 +31,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -92,12 +93,20 @@ def direct_step_blocker(trainer: L.Trainer, module: L.LightningModule) -> str | 
     precision = trainer.precision_plugin
     if type(precision) not in (Precision, MixedPrecision) or getattr(precision, "scaler", None) is not None:
         return f"the precision plugin {type(precision).__name__} takes part in backward and the optimizer step"
-    if type(trainer.strategy).backward is not Strategy.backward or compat.strategy_adds_to_optimizer_step(
-            trainer.strategy):
+    if type(trainer.strategy).backward is not Strategy.backward or adds_to_optimizer_step(trainer.strategy):
         return f"{type(trainer.strategy).__name__} takes part in backward or the optimizer step"
     if len(trainer.optimizers) != 1:
         return f"the module has {len(trainer.optimizers)} optimizers"
     return None
+
+
+def adds_to_optimizer_step(strategy: Strategy) -> bool:
+    """Whether ``strategy.optimizer_step`` does more than its precision plugin's step: an override of it, or
+    DDP's post-local-SGD model averaging, which the project's DDPStrategy reports (``averages_models``)."""
+    step = type(strategy).optimizer_step
+    if step is LightningDDPStrategy.optimizer_step:  # averages after the step when model_averaging_period is set
+        return getattr(strategy, "averages_models", True)  # a DDP that does not say: assume it averages
+    return step is not Strategy.optimizer_step
 
 
 class OwnedStep:

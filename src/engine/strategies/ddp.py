@@ -63,7 +63,9 @@ class DDPStrategy(WorkersOutliveStopSignals, compat.BuildsLauncher, AtomicCheckp
         refuse_foreign_options(type(self), kwargs)
         timeout = collective_timeout(timeout)
         super().__init__(*args, timeout=timeout, **kwargs)
-        self.start_method = start_method_from(self, *args, timeout=timeout, **kwargs)  # popen, spawn, fork, forkserver
+        self.start_method = ddp_argument("start_method", self, *args, timeout=timeout, **kwargs)  # popen, spawn, fork...
+        # post-local SGD averages the parameters after each optimizer step (read by the owned step)
+        self.averages_models = ddp_argument("model_averaging_period", self, *args, timeout=timeout, **kwargs) is not None
         self.init_process_life(sigterm_check_every_n_batches, hang_timeout_s, timeout,
                                kwargs.get("process_group_backend"))
 
@@ -95,7 +97,7 @@ class DDPStrategy(WorkersOutliveStopSignals, compat.BuildsLauncher, AtomicCheckp
         install_sigterm_agreement(trainer, self.sigterm_check_every_n_batches)
 
 
-def start_method_from(*args: Any, **kwargs: Any) -> str:
-    """The ``start_method`` Lightning's DDPStrategy takes from these arguments (its own default when not given)."""
+def ddp_argument(name: str, *args: Any, **kwargs: Any) -> Any:
+    """The value of ``name`` Lightning's DDPStrategy takes from these arguments (its own default when not given)."""
     signature = inspect.signature(LightningDDPStrategy.__init__)
-    return signature.bind(*args, **kwargs).arguments.get("start_method", signature.parameters["start_method"].default)
+    return signature.bind(*args, **kwargs).arguments.get(name, signature.parameters[name].default)

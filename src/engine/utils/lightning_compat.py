@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -376,17 +376,6 @@ def log_training_epoch_now(trainer: Trainer) -> None:
         connector.update_train_epoch_metrics()
     finally:
         epoch_loop._batches_that_stepped += 1
-
-
-def strategy_adds_to_optimizer_step(strategy: Strategy) -> bool:
-    """Whether ``strategy.optimizer_step`` does more than its precision plugin's step: an override of it, or
-    DDP's post-local-SGD model averaging (``model_averaging_period``)."""
-    step = type(strategy).optimizer_step
-    if isinstance(strategy, DDPStrategy) and step is DDPStrategy.optimizer_step:
-        # DDP keeps model_averaging_period, and the averager it builds, nowhere public
-        require(strategy, "_model_averager", "the owned step's direct optimizer step")
-        return strategy._model_averager is not None
-    return step is not Strategy.optimizer_step
 
 
 # -- a checkpoint's optimizer-step counters, automatic and manual optimization --------------------------
