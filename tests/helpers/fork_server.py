@@ -1,12 +1,13 @@
 """A process that has imported the entry points once and forks one child per run of ``src/<script>.py``.
 
 Started by :mod:`tests.helpers.entry`, one per test process, as ``python -m tests.helpers.fork_server``. It
-reads one JSON request per line on stdin (``argv``, ``env``, ``cwd``, ``stdout``, ``stderr``: named pipes) and
-answers on its own stdout with two JSON lines: ``{"pid": ...}`` when the child started, then
-``{"returncode": ...}`` when it ended (negative: the signal that ended it, as :mod:`subprocess` says it).
+reads one JSON request per line on stdin (``argv``, ``env``, ``cwd``, ``stdout``, ``stderr``: paths of named
+pipes or files; ``session``: start the child in a session of its own) and answers on its own stdout with one
+JSON line ``{"pid": ...}`` when a child started, and one ``{"pid": ..., "returncode": ...}`` when it ended
+(negative: the signal that ended it, as :mod:`subprocess` says it). Several children may run at once.
 
 The child is what ``python src/<script>.py`` would be: the script runs as ``__main__`` with its argv,
-environment, working directory, stdin ``/dev/null`` and the client's two output pipes, and it ends through the
+environment, working directory, stdin ``/dev/null`` and the client's two outputs, and it ends through the
 interpreter's own exit (atexit handlers, then the script's prompt exit, which ``install()`` registered before
 the imports, as the script's first lines do). Only Python's start-up and these imports are skipped.
 
@@ -19,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import select
 import sys
 import tempfile
+import time
 
 from src.engine.runtime import prompt_exit
 
@@ -50,10 +53,14 @@ def _imported_with_output_kept() -> tuple[bytes, bytes]:
 IMPORT_OUTPUT = _imported_with_output_kept()
 
 
-def _run_child(request: dict, outputs: tuple[int, int], channels: tuple) -> None:
+def _run_child(request: dict, outputs: tuple[int, int], channels: tuple[int, ...], in_session: int | None) -> None:
     """In the forked child: become ``python <argv>`` and run it; never returns (the script's exit ends it)."""
     for channel in channels:
-        channel.close()
+        os.close(channel)
+    if in_session is not None:  # as Popen(start_new_session=True): a kill of its process group reaches all it starts
+        os.setsid()
+        os.write(in_session, b"1")  # before the server says the child started
+        os.close(in_session)
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
     os.close(stdin)
@@ -85,29 +92,51 @@ def _fresh_random_state() -> None:
 
 
 def main() -> None:
-    requests = os.fdopen(os.dup(0), "r")
-    replies = os.fdopen(os.dup(1), "w")
+    requests, replies = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1):  # the channels stay off the standard streams a child inherits
         os.dup2(devnull, fd)
     os.close(devnull)
-    for line in requests:
-        request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # the client's named pipes, opened here so that the child (and whatever it starts) holds them from the
-        # start: the client reads them to their end, as subprocess.run reads its pipes
-        outputs = (os.open(request["stdout"], os.O_WRONLY), os.open(request["stderr"], os.O_WRONLY))
-        pid = os.fork()
-        if pid == 0:
-            _run_child(request, outputs, (requests, replies))
-        for output in outputs:
-            os.close(output)
-        replies.write(json.dumps({"pid": pid}) + "\n")
-        replies.flush()
-        _, status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        replies.flush()
+    children: set[int] = set()
+    pending, open_ = b"", True
+
+    def reply(message: dict) -> None:
+        os.write(replies, (json.dumps(message) + "\n").encode())
+
+    while open_ or children:
+        # poll for ended children while any run; otherwise sleep until a request comes
+        if open_ and select.select([requests], [], [], 0.02 if children else None)[0]:
+            chunk = os.read(requests, 65536)
+            open_ = bool(chunk)  # the client closed its end: serve the children that run, then end
+            pending += chunk
+        elif not open_:
+            time.sleep(0.02)
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # the client's outputs, opened here so that the child (and whatever it starts) holds them from the
+            # start: the client reads named pipes to their end, as subprocess.run reads its pipes
+            outputs = (os.open(request["stdout"], os.O_WRONLY), os.open(request["stderr"], os.O_WRONLY))
+            told, in_session = os.pipe() if request.get("session") else (None, None)
+            pid = os.fork()
+            if pid == 0:
+                _run_child(request, outputs, (requests, replies, *([told] if told else [])), in_session)
+            for output in outputs:
+                os.close(output)
+            if told is not None:
+                os.close(in_session)
+                os.read(told, 1)  # the child leads its own session: a kill of its group reaches it
+                os.close(told)
+            children.add(pid)
+            reply({"pid": pid})
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            reply({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tests.helpers.config import ROOT
+from tests.helpers.entry import ForkedRun, forked
 
 # A short deterministic MLP run on real Fashion-MNIST: dropout and augmentation draw random numbers, so a
 # resume that lost the random state, the shuffle or the position in the epoch ends with other weights.
@@ -30,8 +31,14 @@ def start(log_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Pop
 LAUNCHED: list[subprocess.Popen] = []  # ended by tests/conftest.py after each test, pass or fail
 
 
-def launch(command: list[str], env: dict | None = None) -> subprocess.Popen:
-    """Start ``command`` in its own session; stderr goes to a file (a pipe nobody reads yet would fill and block)."""
+def launch(command: list[str], env: dict | None = None) -> subprocess.Popen | ForkedRun:
+    """Start ``command`` in its own session; stderr goes to a file (a pipe nobody reads yet would fill and block).
+    ``python src/<script>.py ...`` without an environment of its own is forked from the imports made once
+    (:func:`tests.helpers.entry.forked`)."""
+    proc = None if env is not None else forked(command)
+    if proc is not None:
+        LAUNCHED.append(proc)
+        return proc
     err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by finish(), after the process ends
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True,
                             start_new_session=True, env=env)
