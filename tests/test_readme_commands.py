@@ -4,7 +4,10 @@ The commands are read from the files, so a command added there is tested here: t
 (`python src/train.py`, `src/eval.py`, torchrun, srun, `make`), the collectives room
 (`python -m src.engine.collectives`, also under torchrun), the benchmarks (`python -m scripts.bench`) and the
 test commands (`python -m pytest`). Each runs in a fresh shell from the repository root, with arguments
-appended that only make it short and keep its output in a temporary directory. Only what this machine
+appended that only make it short and keep its output in a temporary directory. A ``python src/<script>.py``
+command is forked from a process that imported the entry points once, as the other tests' runs are
+(:mod:`tests.helpers.entry`: the script runs as ``__main__`` with the command's argv; only Python's start-up and
+the imports are shared); ``make train`` and the other commands start a fresh interpreter. Only what this machine
 cannot do is skipped, each with its reason (SKIP), and so is a command another test runs with its outputs
 checked (RUN_ELSEWHERE); the targets that would run this suite itself or benchmark for minutes are dry-run
 (DRY_RUN), and a pytest command collects its tests without running them.
@@ -22,6 +25,7 @@ import pytest
 
 from tests.helpers.config import ROOT
 from tests.helpers.docs import assert_no_error_line, readme_commands
+from tests.helpers.entry import SCRIPTS, run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -93,9 +97,29 @@ def _same_runs(commands: list[str]) -> dict[str, str]:
 SAME_RUNS = _same_runs(readme_commands())
 
 
+ENV = {"WANDB_SILENT": "true"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quiet_wandb():
+    """W&B's messages off for every command (set once: the fork server's imports see one environment)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in ENV.items():
+            patch.setenv(key, value)
+        yield
+
+
 def _shell(command: str, timeout: int = 420) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "WANDB_SILENT": "true"})
+                          env={**os.environ, **ENV})
+
+
+def _entry_script(command: str) -> str | None:
+    """``train`` for a plain ``python src/train.py ...`` (no shell syntax), the scripts the fork server runs."""
+    argv = shlex.split(command)
+    plain = len(argv) > 1 and argv[0] == "python" and not set("$|&;<>`") & set(command)
+    match = re.fullmatch(r"src/(\w+)\.py", argv[1]) if plain else None
+    return match[1] if match and match[1] in SCRIPTS else None
 
 
 def _make(command: str, args: list[str]) -> str:
@@ -135,7 +159,7 @@ def pytest_collections() -> dict[str, tuple[int, str]]:
 def trained_run(tmp_path_factory) -> Path:
     """A run directory of the default model, for the README's `logs/train/runs/<run>` placeholder."""
     logs = tmp_path_factory.mktemp("run")
-    proc = _shell(" ".join(["python src/train.py trainer.max_epochs=1", *FEW_BATCHES, f"paths.log_dir={logs}"]))
+    proc = run_entry("train", "trainer.max_epochs=1", *FEW_BATCHES, f"paths.log_dir={logs}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = (logs / "train" / "runs").iterdir()
     return run
@@ -187,7 +211,10 @@ def test_readme_command_runs(command, tmp_path, request):
         args = [f"hydra.run.dir={tmp_path / 'export'}"]
     else:
         args = _run_overrides(command, tmp_path / "logs", request)
-    proc = _shell(_make(command, args) if command.startswith("make ") else f"{command} {' '.join(args)}")
+    if script := _entry_script(command):
+        proc = run_entry(script, *shlex.split(command)[2:], *shlex.split(" ".join(args)), timeout=420)
+    else:
+        proc = _shell(_make(command, args) if command.startswith("make ") else f"{command} {' '.join(args)}")
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert_no_error_line(proc.stderr)
 
