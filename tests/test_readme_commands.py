@@ -3,11 +3,11 @@
 The commands are read from the files, so a command added there is tested here: training and evaluation
 (`python src/train.py`, `src/eval.py`, torchrun, srun, `make`), the collectives room
 (`python -m src.engine.collectives`, also under torchrun), the benchmarks (`python -m scripts.bench`) and the
-test commands (`python -m pytest`). Each runs in a fresh shell from the repository root, with arguments
+test commands (`python -m pytest`). Each runs from the repository root, with arguments
 appended that only make it short and keep its output in a temporary directory. A ``python src/<script>.py``
 command is forked from a process that imported the entry points once, as the other tests' runs are
 (:mod:`tests.helpers.entry`: the script runs as ``__main__`` with the command's argv; only Python's start-up and
-the imports are shared); ``make train`` and the other commands start a fresh interpreter. Only what this machine
+the imports are shared); ``make train`` and the other commands run in a fresh shell. Only what this machine
 cannot do is skipped, each with its reason (SKIP), and so is a command another test runs with its outputs
 checked (RUN_ELSEWHERE); the targets that would run this suite itself or benchmark for minutes are dry-run
 (DRY_RUN), and a pytest command collects its tests without running them.
@@ -15,7 +15,6 @@ checked (RUN_ELSEWHERE); the targets that would run this suite itself or benchma
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -110,8 +109,7 @@ def _quiet_wandb():
 
 
 def _shell(command: str, timeout: int = 420) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **ENV})
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def _entry_script(command: str) -> str | None:

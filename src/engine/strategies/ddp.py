@@ -63,9 +63,10 @@ class DDPStrategy(WorkersOutliveStopSignals, compat.BuildsLauncher, AtomicCheckp
         refuse_foreign_options(type(self), kwargs)
         timeout = collective_timeout(timeout)
         super().__init__(*args, timeout=timeout, **kwargs)
-        self.start_method = ddp_argument("start_method", self, *args, timeout=timeout, **kwargs)  # popen, spawn, fork...
+        given = ddp_arguments(self, *args, timeout=timeout, **kwargs)
+        self.start_method = given["start_method"]  # popen, spawn, fork, forkserver
         # post-local SGD averages the parameters after each optimizer step (read by the owned step)
-        self.averages_models = ddp_argument("model_averaging_period", self, *args, timeout=timeout, **kwargs) is not None
+        self.averages_models = given["model_averaging_period"] is not None
         self.init_process_life(sigterm_check_every_n_batches, hang_timeout_s, timeout,
                                kwargs.get("process_group_backend"))
 
@@ -97,7 +98,8 @@ class DDPStrategy(WorkersOutliveStopSignals, compat.BuildsLauncher, AtomicCheckp
         install_sigterm_agreement(trainer, self.sigterm_check_every_n_batches)
 
 
-def ddp_argument(name: str, *args: Any, **kwargs: Any) -> Any:
-    """The value of ``name`` Lightning's DDPStrategy takes from these arguments (its own default when not given)."""
-    signature = inspect.signature(LightningDDPStrategy.__init__)
-    return signature.bind(*args, **kwargs).arguments.get(name, signature.parameters[name].default)
+def ddp_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The arguments Lightning's DDPStrategy takes from these, by name (its own defaults where not given)."""
+    bound = inspect.signature(LightningDDPStrategy.__init__).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
