@@ -10,8 +10,8 @@ resumable (last.ckpt).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import pickle
 import re
 import signal
 import time
@@ -103,9 +103,9 @@ def test_a_rank_stuck_while_its_threads_live_is_named_within_hang_timeout(tmp_pa
     assert re.match(rf"error: rank 1 \(host \S+, pid {stuck_pid}\) is stuck: no rank has made progress", lines[0])
     assert "Traceback" not in proc.stderr_text
 
-    records = {p.name: pickle.loads(p.read_bytes()) for p in (marker.parent / "flight_recorder").iterdir()}
-    assert sorted(records) == ["rank_0", "rank_1"]  # each rank's collectives, as torch's flight recorder keeps them
+    records = {p.name: json.loads(p.read_text()) for p in (marker.parent / "flight_recorder").iterdir()}
+    assert sorted(records) == ["rank_0.json", "rank_1.json"]  # each rank's collectives, as torch's recorder keeps them
     if how == "collective":  # rank 1's last collective is on the group rank 0 never used; rank 0's, on the default one
-        ours, theirs = records["rank_1"]["entries"][-1], records["rank_0"]["entries"][-1]
+        ours, theirs = records["rank_1.json"]["entries"][-1], records["rank_0.json"]["entries"][-1]
         assert ours["profiling_name"].endswith("all_reduce") and theirs["process_group"][1] == "default_pg"
         assert ours["process_group"] != theirs["process_group"]

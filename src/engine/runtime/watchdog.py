@@ -23,7 +23,7 @@ key, N**2, stopped scaling at a few hundred ranks). A failure:
 
 The rank that finds it writes the verdict (``compare_set``: the first one wins) and prints one line
 naming the rank, its host and PID; every rank reads the verdict within ``interval_s``, writes its
-collectives' flight-recorder record (:func:`src.engine.utils.lightning_compat.flight_recorder_dump`) when the
+collectives' flight-recorder record (:func:`src.engine.runtime.flight_recorder.dump`) when the
 rank was stuck, ends the failed process if it is on its host (it would outlive the job), ends the ranks
 it launched, and exits. A collective that fails in the main thread first asks the watchdog
 (:meth:`RankWatchdog.end_if_a_peer_failed`), so a dead peer is named instead of a gloo traceback.
@@ -46,6 +46,7 @@ import psutil
 import torch.distributed as dist
 from torch.distributed import Store, TCPStore
 
+from src.engine.runtime import flight_recorder
 from src.engine.runtime.exit_cleanup import announce_peer_failure
 from src.engine.runtime.launch_context import LaunchContext, launch_context
 from src.engine.utils.errors import print_error
@@ -318,30 +319,14 @@ class RankWatchdog:
                                     default=self.rank)
 
     def _dump_flight_recorder(self) -> None:
-        """This rank's record of its collectives (torch's flight recorder), as ``<dir>/rank_<rank>``."""
+        """This rank's record of its collectives (torch's flight recorder), as ``<dir>/rank_<rank>.json``."""
         if self.flight_recorder_dir is None:
             return
-        from src.engine.utils import lightning_compat as compat
-
         with contextlib.suppress(Exception):  # a record is a bonus: never let it keep a stuck job alive
-            record = compat.flight_recorder_dump()
+            record = flight_recorder.dump()
             folder = Path(self.flight_recorder_dir)
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"rank_{self.rank}").write_bytes(record)
-
-
-def record_collectives(backend: str, folder: str | os.PathLike) -> None:
-    """Turn on torch's flight recorder (its ring of the last collectives) before the process group is made.
-
-    Every backend: what :meth:`RankWatchdog._dump_flight_recorder` writes when a rank is stuck. NCCL also
-    dumps it itself when a collective times out (``TORCH_NCCL_DUMP_ON_TIMEOUT``), to the same files
-    (``TORCH_FR_DUMP_TEMP_FILE``: ``<folder>/rank_<N>``). Values the user set win.
-    """
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(folder) / "rank_"))
-        Path(folder).mkdir(parents=True, exist_ok=True)
+            (folder / f"rank_{self.rank}.json").write_bytes(record)
 
 
 def _kill(pid: int) -> None:

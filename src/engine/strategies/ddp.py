@@ -12,7 +12,7 @@ behaves exactly like ``trainer=ddp``:
 * a collective waits at most ``timeout`` (10 minutes) for a busy peer;
 * a rank that dies, freezes or gets stuck (in a collective its peers never join, or a blocking call) ends
   every rank soon, with one line naming it; a stuck rank's collectives are written by torch's flight
-  recorder to ``<run dir>/flight_recorder/rank_<N>`` (:mod:`src.engine.runtime.watchdog`);
+  recorder to ``<run dir>/flight_recorder/rank_<N>.json`` (:mod:`src.engine.runtime.flight_recorder`);
 * a one-node run rendezvous through a file and gloo binds to loopback (:mod:`src.engine.runtime.local_store`);
 * a torchrun restart does not read the keys of the attempt before it (:mod:`src.engine.runtime.elastic_restart`);
 * the process group is destroyed before the interpreter exits (:mod:`src.engine.runtime.exit_cleanup`).

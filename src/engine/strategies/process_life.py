@@ -24,10 +24,11 @@ from torch.distributed import Store
 
 from src.engine.runtime.elastic_restart import init_group_of_this_attempt
 from src.engine.runtime.exit_cleanup import destroy_default_group_at_exit
+from src.engine.runtime.flight_recorder import record_collectives
 from src.engine.runtime.launch_context import TORCHRUN, launch_context
 from src.engine.runtime.local_store import init_group_with_local_store
 from src.engine.runtime.sigterm import check_interval
-from src.engine.runtime.watchdog import RankWatchdog, record_collectives
+from src.engine.runtime.watchdog import RankWatchdog
 from src.engine.utils import lightning_compat as compat
 from src.engine.utils.errors import ConfigError, user_error_cause
 from src.engine.utils.pylogger import RankedLogger

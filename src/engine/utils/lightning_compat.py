@@ -254,17 +254,6 @@ def collectives_entered() -> int:
     return int(group._get_sequence_number_for_group())
 
 
-def flight_recorder_dump() -> bytes:
-    """torch's flight-recorder record of this process's collectives (a pickle; ``TORCH_FR_BUFFER_SIZE`` > 0
-    must have been set before the process group was made): what ``python -m torch.distributed.flight_recorder.fr_trace``
-    reads, as NCCL's own dump on a collective timeout writes it."""
-    feature = "a stuck rank's flight-recorder record"  # torch dumps it publicly only on an NCCL timeout
-    require(torch, "_C", feature)
-    require(torch._C, "_distributed_c10d", feature)
-    require(torch._C._distributed_c10d, "_dump_fr_trace", feature)
-    return torch._C._distributed_c10d._dump_fr_trace()
-
-
 def optimizers_to_device(optimizers: list, device: torch.device) -> None:
     """Move every optimizer's state tensors to ``device``, as Lightning's strategies do: ``step`` stays where it is
     (torch's optimizers want it on the CPU)."""
