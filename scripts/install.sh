@@ -28,6 +28,6 @@ PYTHON="${PYTHON:-python}"
 if "$PYTHON" -m pip show hydra-optuna-sweeper >/dev/null 2>&1; then
   "$PYTHON" -m pip uninstall --yes --quiet hydra-optuna-sweeper
 fi
-# torch is resolved by pip like any other dependency (>=2.4); pin it first if you need a specific build.
+# torch is resolved by pip like any other dependency (>=2.14, what CI runs); pin it first if you need a specific build.
 "$PYTHON" -m pip install --quiet -e ".[dev,loggers,sweep,export]"
 "$PYTHON" -c "import torch, lightning, hydra, optuna; print(f'torch {torch.__version__}, lightning {lightning.__version__}, hydra {hydra.__version__}, optuna {optuna.__version__}')"
