@@ -31,7 +31,7 @@ TARGET = 15  # issue 48: at most 15 private names
 # last.ckpt's save points and epoch rows; dp's CPU replicas; fsdp's mesh sizes and sub-groups; torch's collective
 # counter; a metric's reductions; the sync_batchnorm slot; see the
 # assertion message.
-REACHED = 21
+REACHED = 22
 EXTERNAL_ROOTS = {"lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "torch", "torchmetrics",
                   "torchvision"}
 PRIVATE = re.compile(r"_[A-Za-z0-9]\w*")
@@ -91,7 +91,8 @@ class _Defined(ast.NodeVisitor):
             self.by_class.setdefault(".".join(classes), set()).add(name)
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:  # noqa: N802
-        self._add(node.name)
+        if self._classes:  # a method; a module-level or local function is no object's attribute
+            self._add(node.name)
         for sub in ast.walk(node):
             for target in _targets(sub):
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and \
@@ -256,6 +257,10 @@ from lightning.pytorch.loops.fit_loop import _FitLoop
 _MINE = "_helper"  # a string naming the project's own method
 
 
+def _parameters(module):  # a module-level function: it does not make torch's attribute below the project's
+    return module._parameters
+
+
 class Mixin:
     def _configure_launcher(self):  # mixed into a DDPStrategy below: Lightning's hook
         self._launcher = None  # Lightning's attribute (set in Strategy.__init__)
@@ -277,7 +282,7 @@ class _Private(_FitLoop):
     pass
 '''
 FIXTURE_NAMES = {"_dynamo", "_functional_collectives", "_FitLoop", "_configure_launcher", "_launcher",
-                 "_start_method", "_C"}
+                 "_start_method", "_C", "_parameters"}
 
 
 @pytest.mark.fast
