@@ -22,18 +22,22 @@ SCRIPT = textwrap.dedent("""
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
     dist.all_reduce(torch.ones(3))
     dist.broadcast(torch.ones(2), src=0)
-    first, second = flight_recorder.dump(), flight_recorder.dump()
+    first = flight_recorder.write(sys.argv[2], 0)
+    second, nccl = flight_recorder.dump(flight_recorder.COLLECTIVES, flight_recorder.NCCL)
     dist.destroy_process_group()
-    print(json.dumps({"first": json.loads(first), "second": json.loads(second),
+    print(json.dumps({"written": [str(p) for p in first], "first": json.loads(first[0].read_text()),
+                      "second": json.loads(second), "nccl": json.loads(nccl),
                       "socket_env": os.environ.get("TORCH_WORKER_SERVER_SOCKET")}))
 """)
 
 
-def test_the_record_lists_the_rank_collectives_in_order_and_the_server_is_stopped_after():
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port())], capture_output=True, text=True,
-                          timeout=120)
+def test_the_record_lists_the_rank_collectives_in_order_and_the_server_is_stopped_after(tmp_path):
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port()), str(tmp_path / "records")],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["written"] == [str(tmp_path / "records" / "rank_0.json")]  # gloo only: NCCL's ring has no entries
+    assert "entries" not in out["nccl"]
     entries = out["first"]["entries"]
     names = [entry["profiling_name"] for entry in entries]
     assert names == ["gloo:all_reduce", "gloo:broadcast"], names

@@ -23,7 +23,7 @@ key, N**2, stopped scaling at a few hundred ranks). A failure:
 
 The rank that finds it writes the verdict (``compare_set``: the first one wins) and prints one line
 naming the rank, its host and PID; every rank reads the verdict within ``interval_s``, writes its
-collectives' flight-recorder record (:func:`src.engine.runtime.flight_recorder.dump`) when the
+collectives' flight-recorder record (:func:`src.engine.runtime.flight_recorder.write`) when the
 rank was stuck, ends the failed process if it is on its host (it would outlive the job), ends the ranks
 it launched, and exits. A collective that fails in the main thread first asks the watchdog
 (:meth:`RankWatchdog.end_if_a_peer_failed`), so a dead peer is named instead of a gloo traceback.
@@ -40,7 +40,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import psutil
 import torch.distributed as dist
@@ -319,14 +318,11 @@ class RankWatchdog:
                                     default=self.rank)
 
     def _dump_flight_recorder(self) -> None:
-        """This rank's record of its collectives (torch's flight recorder), as ``<dir>/rank_<rank>.json``."""
+        """This rank's record of its collectives (torch's flight recorder), in ``flight_recorder_dir``."""
         if self.flight_recorder_dir is None:
             return
         with contextlib.suppress(Exception):  # a record is a bonus: never let it keep a stuck job alive
-            record = flight_recorder.dump()
-            folder = Path(self.flight_recorder_dir)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"rank_{self.rank}.json").write_bytes(record)
+            flight_recorder.write(self.flight_recorder_dir, self.rank)
 
 
 def _kill(pid: int) -> None:
