@@ -27,6 +27,8 @@ from pathlib import Path
 
 from tests.helpers.config import ROOT
 
+INHERITED_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)  # what a shell may leave ignored
+
 
 def run_entry(script: str, *overrides: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python src/<script>.py overrides...`` as a user would; returns the completed process."""
@@ -118,8 +120,11 @@ class _ForkServer:
 
     def start(self, argv: list[str], stdout: str, stderr: str, session: bool = False) -> int:
         """Fork a child that runs ``argv`` (writing to the files or named pipes ``stdout`` and ``stderr``): its pid."""
+        # a signal this process ignores stays ignored in an interpreter it starts (a suite started in the background
+        # ignores SIGINT): the forked child takes this process's, not the server's
+        ignored = [s.name for s in INHERITED_SIGNALS if signal.getsignal(s) is signal.SIG_IGN]
         request = {"argv": argv[1:], "env": dict(os.environ), "cwd": str(ROOT), "stdout": stdout, "stderr": stderr,
-                   "session": session}
+                   "session": session, "ignored_signals": ignored}
         with self._lock:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
