@@ -122,7 +122,7 @@ class _ForkServer:
         """Fork a child that runs ``argv`` (writing to the files or named pipes ``stdout`` and ``stderr``): its pid."""
         # a signal this process ignores stays ignored in an interpreter it starts (a suite started in the background
         # ignores SIGINT): the forked child takes this process's, not the server's
-        ignored = [s.name for s in INHERITED_SIGNALS if signal.getsignal(s) is signal.SIG_IGN]
+        ignored = {s.name: signal.getsignal(s) is signal.SIG_IGN for s in INHERITED_SIGNALS}
         request = {"argv": argv[1:], "env": dict(os.environ), "cwd": str(ROOT), "stdout": stdout, "stderr": stderr,
                    "session": session, "ignored_signals": ignored}
         with self._lock:

@@ -2,8 +2,8 @@
 
 Started by :mod:`tests.helpers.entry`, one per test process, as ``python -m tests.helpers.fork_server``. It
 reads one JSON request per line on stdin (``argv``, ``env``, ``cwd``, ``stdout``, ``stderr``: paths of named
-pipes or files; ``session``: start the child in a session of its own; ``ignored_signals``: those the client ignores,
-which a fresh interpreter of its own would inherit ignored) and answers on its own stdout with one
+pipes or files; ``session``: start the child in a session of its own; ``ignored_signals``: signal name -> whether the
+client ignores it, as a fresh interpreter of its own would inherit it) and answers on its own stdout with one
 JSON line ``{"pid": ...}`` when a child started, and one ``{"pid": ..., "returncode": ...}`` when it ended
 (negative: the signal that ended it, as :mod:`subprocess` says it). Several children may run at once.
 
@@ -73,8 +73,7 @@ def _run_child(request: dict, outputs: tuple[int, int], channels: tuple[int, ...
         with open(fd, "wb", closefd=False) as stream:
             stream.write(printed)
     _fresh_random_state()
-    for name in ("SIGINT", "SIGQUIT", "SIGHUP"):  # as a fresh interpreter of the requester's: ignored, or Python's default
-        ignored = name in request.get("ignored_signals", ())
+    for name, ignored in request["ignored_signals"].items():  # as a fresh interpreter of the client's would have them
         default = signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL
         signal.signal(getattr(signal, name), signal.SIG_IGN if ignored else default)
     os.environ.clear()
