@@ -47,7 +47,7 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
     def connect(self) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(TIMEOUT_S)
+        self.sock.settimeout(self.timeout)
         self.sock.connect(self.path)
 
 
@@ -55,14 +55,14 @@ def write(folder: str | os.PathLike, rank: int) -> list[Path]:
     """Write this rank's record to ``<folder>/rank_<rank>.json``, and NCCL's ring, where it has one, to
     ``rank_<rank>.nccl.json``: the files written."""
     collectives, nccl = dump(COLLECTIVES, NCCL)
+    records = {f"rank_{rank}.json": collectives}
+    if "entries" in json.loads(nccl):
+        records[f"rank_{rank}.nccl.json"] = nccl
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    written = [folder / f"rank_{rank}.json"]
-    written[0].write_bytes(collectives)
-    if "entries" in json.loads(nccl):
-        written.append(folder / f"rank_{rank}.nccl.json")
-        written[1].write_bytes(nccl)
-    return written
+    for name, record in records.items():
+        (folder / name).write_bytes(record)
+    return [folder / name for name in records]
 
 
 def dump(*handlers: str) -> list[bytes]:
