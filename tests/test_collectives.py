@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import pickle
 import shlex
 import subprocess
@@ -379,3 +380,24 @@ def test_auto_backend_needs_a_gpu_per_spawned_rank(monkeypatch):
     with pytest.raises(ConfigError, match="nproc=2 needs 2 GPUs"):
         resolve_backend("nccl", 2, spawning=True)
 
+
+
+_WITHOUT_LIGHTNING = """
+import logging, sys
+import src.engine.collectives.__main__  # the entry's imports, and the job-logging filter Hydra builds for it
+from src.engine.utils.pylogger import RankFilter
+record = logging.LogRecord("x", logging.INFO, "x.py", 0, "m", None, None)
+RankFilter().filter(record)
+lightning = sorted(m for m in sys.modules if m.split(".")[0] == "lightning")
+print(len(lightning), record.rank, *lightning[:3])
+"""
+
+
+@pytest.mark.fast
+def test_the_entry_starts_without_lightning_and_logs_its_launchers_rank():
+    """``python -m src.engine.collectives`` needs torch only: Lightning's imports (seconds per process) stay out,
+    and a log line still carries the rank its launcher set (here ``RANK=3``)."""
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_LIGHTNING], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "RANK": "3"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["0", "3"], proc.stdout  # modules of Lightning imported, the record's rank

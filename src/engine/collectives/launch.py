@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from src.engine.collectives.modes import run_mode, validate_options
 from src.engine.collectives.runtime import cuda_index
@@ -158,9 +159,7 @@ def launch(plan: LaunchPlan) -> None:
         run_rank(ext.local_rank, plan, ext.rank, ext.world_size)
         return
     if plan.init_method == "env://":  # a fresh port per launch: no clash with a stale or parallel run
-        from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
     try:
         mp.spawn(_spawned, args=(plan,), nprocs=plan.world_size, join=True)
     except mp.ProcessRaisedException as err:

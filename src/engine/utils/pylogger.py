@@ -6,12 +6,18 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+# Lightning's own rank_zero_only object (lightning.pytorch re-exports it), without importing Lightning: the
+# collectives room logs through this module and needs torch only
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+from src.engine.runtime.launch_context import launch_context
 
 
 def current_rank() -> int:
-    """The global rank as Lightning knows it (set from the environment, then by the strategy)."""
-    return int(getattr(rank_zero_only, "rank", 0) or 0)
+    """The global rank as Lightning knows it (set from the environment when Lightning is imported, then by the
+    strategy); in a process that has not imported Lightning, the rank its launcher gave it."""
+    rank = getattr(rank_zero_only, "rank", None)
+    return int(rank if rank is not None else launch_context().rank or 0)
 
 
 class RankFilter(logging.Filter):
