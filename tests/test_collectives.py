@@ -381,7 +381,6 @@ def test_auto_backend_needs_a_gpu_per_spawned_rank(monkeypatch):
         resolve_backend("nccl", 2, spawning=True)
 
 
-
 _WITHOUT_LIGHTNING = """
 import logging, sys
 import src.engine.collectives.__main__  # the entry's imports, and the job-logging filter Hydra builds for it

@@ -345,8 +345,8 @@ FSDP = ("trainer=fsdp",)
 DDP = ("trainer=ddp",)
 # ashleve's SimpleDenseNet layout in place of the project's MLP: no nn.Sequential net, BatchNorm buffers. Its
 # Linear biases before BatchNorm get gradients of float noise, which Adam scales up to whole steps. Fused Adam on
-# FSDP's shards and on DDP's whole tensors rounds apart, and that grows to 1e-4 in 8 steps; unfused Adam is
-# bit-identical in both, so this net steps unfused Adam.
+# FSDP's shards and on DDP's whole tensors rounds apart, and that grows past the tolerance (docs/fsdp.md); unfused
+# Adam is bit-identical in both, so this net steps unfused Adam.
 DENSE = ("model.net._target_=tests.test_fsdp.DenseNet", "model.net.batch_norm=true", "model.fused_optimizer=false")
 
 
