@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import lightning as L
@@ -87,7 +87,8 @@ def _prepares_data(trainer: L.Trainer, datamodule: L.LightningDataModule) -> boo
     return (trainer.local_rank if datamodule.prepare_data_per_node else trainer.global_rank) == 0
 
 
-def _preflight_launch(trainer: L.Trainer | None, args: tuple, fresh_store: bool) -> None:
+def _preflight_launch(trainer: L.Trainer | None, args: tuple, fresh_store: bool,
+                      ranks: Sequence[subprocess.Popen] = ()) -> None:
     if trainer is None:
         return
     if trainer.lightning_module is not None:
@@ -95,7 +96,7 @@ def _preflight_launch(trainer: L.Trainer | None, args: tuple, fresh_store: bool)
         preflight(trainer, trainer.lightning_module, datamodule)
     environment = trainer.strategy.cluster_environment  # one node: rendezvous on a file, nothing listens outside
     launches = environment is not None and not environment.creates_processes_externally
-    prepare_local_store(trainer.num_nodes, fresh_store, launches_ranks=launches)
+    prepare_local_store(trainer.num_nodes, fresh_store, launches_ranks=launches, ranks=ranks)
 
 
 @contextlib.contextmanager
@@ -118,7 +119,7 @@ class PreflightSubprocessLauncher(compat.SubprocessScriptLauncher):
     guards_children = True
 
     def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
-        _preflight_launch(trainer, args, fresh_store=False)
+        _preflight_launch(trainer, args, fresh_store=False, ranks=self.procs)  # filled as the ranks start
         with _local_store_for_this_launch():
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
             if not self.cluster_environment.creates_processes_externally:
