@@ -65,6 +65,7 @@ def test_a_rank_started_for_another_script_is_not_adopted(record):
     [
         (["trainer=ddp", "trainer.devices=4"], {}, 3),
         (["trainer=pipeline"], {}, 1),
+        (["trainer=ps", "trainer.devices=5"], {}, 0),  # a restarted worker reads its rank from /proc/<pid>/environ
         ([], {}, 0),  # the default trainer: one device
         (["trainer=ddp_spawn"], {}, 0),  # torch starts those ranks
         (["trainer=dp"], {}, 0),  # one process
