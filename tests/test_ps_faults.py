@@ -117,6 +117,8 @@ def test_a_killed_server_ends_the_job_in_one_line_and_the_same_command_resumes(t
     assert "Traceback" not in proc.stderr_text
     stopped_at = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 0 < stopped_at < 120
+    status = (run_dir / "status.yaml").read_text()  # the chief ends at once too: it says why before it does
+    assert "status: failed" in status, status
 
     again = launch(args)
     assert finish(again, timeout=180) == 0, again.stderr_text[-3000:]

@@ -162,8 +162,9 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from src.engine.checkpointing.last_checkpoint import run_position  # it builds on this module
-    from src.engine.runtime.exit_cleanup import peer_failed  # torch: imported when a task runs
-    from src.engine.runtime.watchdog import before_the_watchdog_ends_this_rank
+
+    # torch: imported when a task runs
+    from src.engine.runtime.exit_cleanup import before_a_failure_ends_this_rank, peer_failed
 
     # before fit the ranks are not known yet; a rank that torchrun or srun started beside this one may already have
     # failed and said why, and that record stays
@@ -171,12 +172,12 @@ def run_status(trainer: L.Trainer, run_dir: str | os.PathLike, overrides: Sequen
         write_status(run_dir, RUNNING)
     record = RunStatus(trainer, run_dir)
 
-    def ended_by_the_watchdog(why: str) -> None:  # a peer died, froze or got stuck: this process ends at once
+    def ended_for_a_failure(why: str) -> None:  # a peer died, froze or got stuck: this process ends at once
         if trainer.is_global_zero and not failed_on_another_rank(run_dir):
             write_status(run_dir, FAILED, f"{why} at {run_position(trainer)}")
 
     try:
-        with before_the_watchdog_ends_this_rank(ended_by_the_watchdog):
+        with before_a_failure_ends_this_rank(ended_for_a_failure):
             yield record
     except BaseException as err:
         preempted = isinstance(err, SIGTERMException) or getattr(err, "preempted", False)

@@ -76,6 +76,28 @@ def destroy_default_group_at_exit() -> None:
 
 
 # -- a rank whose peer is gone ------------------------------------------------------------------------------
+_before_ending: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def before_a_failure_ends_this_rank(record: Callable[[str], None]) -> Iterator[None]:
+    """While inside, ``record(why)`` runs before this process ends at once for another rank's failure (the
+    watchdog, or a parameter-server job that lost a server: they ``os._exit``, so no ``finally`` or ``except`` of
+    the task runs): e.g. to write the run's status."""
+    _before_ending.append(record)
+    try:
+        yield
+    finally:
+        _before_ending.remove(record)
+
+
+def record_ending(why: str) -> None:
+    """Run the records of :func:`before_a_failure_ends_this_rank`, just before this process ``os._exit``s."""
+    for record in list(_before_ending):
+        with contextlib.suppress(Exception):  # the process ends next whatever happens here
+            record(why)
+
+
 # What gloo/torch say when the other end of a collective went away (the peer exited or crashed).
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 PEER_FAILURE_EXIT_CODE = 1  # not 2: the bad input, if any, is the failed peer's to report

@@ -39,14 +39,14 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import psutil
 import torch.distributed as dist
 from torch.distributed import Store, TCPStore
 
 from src.engine.runtime import flight_recorder
-from src.engine.runtime.exit_cleanup import announce_peer_failure
+from src.engine.runtime.exit_cleanup import announce_peer_failure, record_ending
 from src.engine.runtime.launch_context import LaunchContext, launch_context
 from src.engine.utils.errors import print_error
 from src.engine.utils.pylogger import RankedLogger
@@ -59,26 +59,6 @@ STORE_GRACE_S = 10.0  # the store may vanish while its host exits normally: only
 DONE, REPORTED_KEY = "done", "reported"  # what a rank that ends on purpose leaves in its heartbeat key
 
 Progress = Callable[[], tuple[int, int, int]]  # (batches done, collectives entered, global step)
-
-
-_before_ending: list[Callable[[str], None]] = []
-
-
-@contextlib.contextmanager
-def before_the_watchdog_ends_this_rank(record: Callable[[str], None]) -> Iterator[None]:
-    """While inside, ``record(why)`` runs before the watchdog ends this process for a peer's failure (it
-    ``os._exit``s, so no ``finally`` or ``except`` of the task runs): e.g. to write the run's status."""
-    _before_ending.append(record)
-    try:
-        yield
-    finally:
-        _before_ending.remove(record)
-
-
-def _record_ending(why: str) -> None:
-    for record in list(_before_ending):
-        with contextlib.suppress(Exception):  # the process ends next whatever happens here
-            record(why)
 
 
 def _no_progress() -> tuple[int, int, int]:
@@ -283,7 +263,7 @@ class RankWatchdog:
         self._stop.set()
         if what == REPORTED:  # its one line is the job's message; this rank adds the quiet one
             self._tell(peer, what)
-            _record_ending(f"rank {peer} {what}")
+            record_ending(f"rank {peer} {what}")
             announce_peer_failure(self.rank)
             for child in psutil.Process().children(recursive=True):
                 _kill(child.pid)
@@ -293,7 +273,7 @@ class RankWatchdog:
         if self._tell(peer, what):  # the first rank to find it says it, once per job
             print_error(f"{where} {what}; every rank stops now. fix: see that rank's log; "
                         "re-running the same command resumes from the last checkpoint")
-        _record_ending(f"{where} {what}")
+        record_ending(f"{where} {what}")
         if what.startswith("is stuck"):
             self._dump_flight_recorder()
         here = info.get("host") == socket.gethostname() and info.get("pid") not in (None, os.getpid())

@@ -20,6 +20,7 @@ import time
 
 import torch.distributed as dist
 
+from src.engine.runtime.exit_cleanup import record_ending
 from src.engine.runtime.launch_context import launch_context
 from src.engine.utils.errors import print_error
 
@@ -169,5 +170,6 @@ def end_job_after_failure(jobs: JobStore | None, rank: int, what: str, fallback_
                     "resumes from the last checkpoint")
     else:
         print(f"rank {rank}: stopping because another rank failed (its error is above)", file=sys.stderr, flush=True)
+    record_ending(what or "another rank failed (its error is in the log)")  # e.g. the chief's status.yaml
     sys.stdout.flush()
     os._exit(EXIT_FAILED)  # from any thread, with links blocked in gloo: nothing left to save on this rank
