@@ -4,8 +4,9 @@ torch's TCPStore server, which Lightning's launcher starts on rank 0 for ``env:/
 interface with no authentication, and gloo binds to the interface of the host name. For a run whose
 ranks all live on this machine neither is needed: the launcher (:mod:`src.engine.strategies.launchers`)
 picks a ``FileStore`` path in a fresh private temp dir, hands it to the ranks in the environment and
-removes the dir once they have ended, and sets ``GLOO_SOCKET_IFNAME=lo`` unless the user chose an interface. Multi-node runs and runs started
-by torchrun or SLURM keep the TCP rendezvous (they must be reachable from the other nodes).
+removes the dir once they have ended, and sets ``GLOO_SOCKET_IFNAME=lo`` unless the user chose an
+interface. Multi-node runs and runs started by torchrun or SLURM keep the TCP rendezvous (they must be
+reachable from the other nodes).
 """
 
 from __future__ import annotations
