@@ -1,4 +1,5 @@
-"""A rank that returns right after a collective must exit cleanly (src.engine.runtime.exit_cleanup).
+"""A rank that returns right after a collective must exit cleanly (src.engine.runtime.exit_cleanup), and a
+spawned rank ends without the interpreter's teardown (src.engine.runtime.prompt_exit).
 
 Without the exit handler a gloo rank can die with SIGABRT while Python shuts down: a process
 group's worker thread still releases the last collective's tensors and needs the GIL. The race
@@ -18,6 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from src.engine.strategies.launchers import SpawnedRank
+from tests.helpers import teardown_probe
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 
@@ -70,3 +75,32 @@ def rank_syncs_then_exits(local_rank: int, port: int, kind: str) -> None:
 def test_no_gloo_thread_outlives_the_exit_handlers(kind):
     # A rank that dies with a signal raises ProcessExitedException; a failed assert, ProcessRaisedException.
     mp.start_processes(rank_syncs_then_exits, args=(find_free_network_port(), kind), nprocs=2, start_method="spawn")
+
+
+def rank_ends(local_rank: int, directory: str, endings: list[str]) -> None:
+    """A rank's work under the spawn launcher's wrapper: hold what only the teardown frees, register an exit
+    handler, then end as ``endings[local_rank]`` says."""
+    teardown_probe.hold(Path(directory, f"{local_rank}.freed"))
+    atexit.register(Path(directory, f"{local_rank}.atexit").write_text, "ran")
+    if endings[local_rank] == "stop":
+        raise SIGTERMException()  # the agreed stop: the parent reads 143
+    if endings[local_rank] == "error":
+        raise ValueError("boom")  # torch's spawn wrapper reports it and exits 1
+
+
+@pytest.mark.slow
+def test_a_spawned_rank_keeps_its_status_and_exit_handlers_and_skips_the_teardown(tmp_path):
+    """The teardown is where a finished gloo rank can abort (docs/faults.md, Clean exit); what the exit
+    guarantees stays: each ending's status, and the handlers the rank registered."""
+    context = mp.start_processes(SpawnedRank(rank_ends, None), args=(str(tmp_path), ["return", "stop", "error"]),
+                                 nprocs=3, start_method="spawn", join=False)
+    try:
+        for process in context.processes:
+            process.join(120)
+        assert [p.exitcode for p in context.processes] == [0, 143, 1]
+        assert sorted(path.name for path in tmp_path.iterdir() if path.read_text()) == ["0.atexit", "1.atexit",
+                                                                                       "2.atexit"]
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()

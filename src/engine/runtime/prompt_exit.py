@@ -20,9 +20,10 @@ Use it in a script, never in a library import (pytest's own exit status would be
 first, so a handler registered before every import runs after all of them.
 
 A worker process whose parent owns the exit status (a spawned rank) calls :func:`exit_now` when its work
-is done. Skipping the teardown there also avoids a gloo abort at exit: a gloo worker thread that still
-releases a finished collective's tensors needs the GIL, and taking it while the interpreter is being
-torn down kills the process with SIGABRT ("terminate called without an active exception").
+is done, or :func:`end_spawned_process_promptly` at its start where work follows that it does not own (the
+spawn launcher's results queue). Skipping the teardown there also avoids a gloo abort at exit: a gloo worker
+thread that still releases a finished collective's tensors needs the GIL, and taking it while the interpreter
+is being torn down kills the process with SIGABRT ("terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -61,6 +62,36 @@ def install() -> None:
     atexit.register(_end_now)
 
 
+def _status(code: object) -> int:
+    """The process status ``sys.exit(code)`` gives: a str is printed, status 1."""
+    return code if isinstance(code, int) else (0 if code is None else 1)
+
+
+def end_spawned_process_promptly() -> None:
+    """In a process multiprocessing spawned (a ``ddp_spawn`` rank): once the exit handlers registered from here on
+    have run, end it with its exit status, skipping the teardown.
+
+    multiprocessing ends such a process with ``sys.exit(<status>)`` after its function, and torch's spawn
+    wrapper with ``sys.exit(1)`` after an error; the status is known nowhere else, so ``sys.exit`` is wrapped to
+    note it. It is called after the process's imports: the handlers they registered would run after this one,
+    and are skipped with the teardown (caches, open figures, weakref finalizers still alive); logging is flushed.
+    """
+    global _exit_code
+    _exit_code = None
+    if getattr(sys.exit, "_notes_status", False):
+        return
+    exit_ = sys.exit
+
+    def noting_exit(status: object = None) -> NoReturn:
+        global _exit_code
+        _exit_code = _status(status)
+        exit_(status)
+
+    noting_exit._notes_status = True  # type: ignore[attr-defined]
+    sys.exit = noting_exit
+    install()
+
+
 @contextlib.contextmanager
 def exit_code_recorded() -> Iterator[None]:
     """Note how ``main()`` ended, so the prompt exit returns the status the interpreter would have."""
@@ -68,8 +99,7 @@ def exit_code_recorded() -> Iterator[None]:
     try:
         yield
     except SystemExit as stop:
-        code = stop.code
-        _exit_code = code if isinstance(code, int) else (0 if code is None else 1)  # a str is printed, status 1
+        _exit_code = _status(stop.code)
         raise
     except KeyboardInterrupt:
         _exit_code = 130

@@ -34,7 +34,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from src.engine.checkpointing.last_checkpoint import trainer_position
 from src.engine.run.identity import shared_with_forked_ranks
-from src.engine.runtime import early_ranks
+from src.engine.runtime import early_ranks, prompt_exit
 from src.engine.runtime.child_guard import guard_child_ranks
 from src.engine.runtime.exit_cleanup import exit_after_peer_failure, peer_failed
 from src.engine.runtime.hydra_launch import entry_command
@@ -216,12 +216,14 @@ class SpawnedRank:
     (:func:`src.engine.runtime.sigterm.hold_stop_signals`). A spawned process starts with no logging set up, so it then
     takes the parent's Hydra job logging (its lines reach the console and the run's log file, tagged with its
     rank). When a collective lost its peer: one quiet line and a wait for the parent, which then names the rank
-    that failed (torch's spawn reports the first rank to exit with an error)."""
+    that failed (torch's spawn reports the first rank to exit with an error). A spawned rank ends without the
+    interpreter's teardown, once its exit handlers have run (:mod:`src.engine.runtime.prompt_exit`)."""
 
     def __init__(self, function: Callable, job_logging: dict[str, Any] | None) -> None:
         self.function, self.job_logging = function, job_logging
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        prompt_exit.end_spawned_process_promptly()  # no effect on a forked rank: multiprocessing os._exit()s it
         hold_stop_signals()
         if self.job_logging is not None:
             logging.config.dictConfig(self.job_logging)
