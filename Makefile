@@ -48,11 +48,15 @@ test: $(STAMP) ## Run the whole test suite: two test files at a time (pytest-xdi
 test-fast: $(STAMP) ## Run the quick subset (pytest -m fast)
 	$(PYTHON) -m pytest -q -m fast
 
-# The oldest Lightning pyproject.toml allows, in .venv-oldest (the installed packages, Lightning replaced)
+# The oldest Lightning pyproject.toml allows, in .venv-oldest: the packages $(PYTHON) has (a venv's too, which
+# --system-site-packages would not see), with Lightning replaced
+SITE_PACKAGES = import sysconfig; print(sysconfig.get_paths()['purelib'])
 LIGHTNING_FLOOR = $(shell $(PYTHON) -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print(next(re.search(r'>=([^,]+)', d).group(1) for d in deps if d.startswith('lightning')))")
 
 test-oldest: $(STAMP) ## Run the quick subset on the oldest Lightning pyproject.toml allows (.venv-oldest)
-	[ -x .venv-oldest/bin/python ] || $(PYTHON) -m venv --system-site-packages .venv-oldest
+	[ -x .venv-oldest/bin/python ] || { $(PYTHON) -m venv .venv-oldest && \
+	  echo "import site; site.addsitedir('$$($(PYTHON) -c "$(SITE_PACKAGES)")')" \
+	    > "$$(.venv-oldest/bin/python -c "$(SITE_PACKAGES)")/installed_packages.pth"; }
 	.venv-oldest/bin/pip install --quiet "lightning==$(LIGHTNING_FLOOR)"
 	.venv-oldest/bin/python -m pytest -q -n 2 --dist loadfile -m "fast and not serial"
 
