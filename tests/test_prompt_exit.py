@@ -49,3 +49,29 @@ def test_exit_status_handlers_and_flushes_survive(tmp_path, ending, code):
     assert proc.stdout == "last line"
     if code == 1 and "boom" in ending:
         assert "ValueError: boom" in proc.stderr  # the traceback is still printed
+
+
+NOT_SPAWNED = """
+import multiprocessing, sys
+sys.path.insert(0, {root!r})
+from src.engine.runtime import prompt_exit
+
+def check(_=None):
+    exit_ = sys.exit
+    prompt_exit.end_spawned_process_promptly()
+    assert sys.exit is exit_, "sys.exit wrapped in a process multiprocessing did not spawn"
+
+if __name__ == "__main__":
+    check()  # the launching process (under pytest, a direct SpawnedRank call)
+    with multiprocessing.get_context("fork").Pool(1) as pool:  # a forked rank
+        pool.map(check, [0])
+    sys.exit(3)
+"""
+
+
+def test_a_process_that_was_not_spawned_keeps_its_exit(tmp_path):
+    """Only a spawned rank's exit is taken over: elsewhere a caught ``sys.exit`` would set a later exit's status."""
+    script = tmp_path / "script.py"
+    script.write_text(NOT_SPAWNED.format(root=str(ROOT)))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr

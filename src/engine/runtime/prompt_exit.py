@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing
 import os
 import sys
 from collections.abc import Iterator
@@ -63,23 +64,28 @@ def install() -> None:
 
 
 def _status(code: object) -> int:
-    """The process status ``sys.exit(code)`` gives: a str is printed, status 1."""
+    """The process status ``sys.exit(code)`` gives: None is 0, and anything but an int is printed, status 1."""
     return code if isinstance(code, int) else (0 if code is None else 1)
 
 
 def end_spawned_process_promptly() -> None:
     """In a process multiprocessing spawned (a ``ddp_spawn`` rank): once the exit handlers registered from here on
-    have run, end it with its exit status, skipping the teardown.
+    have run, end it with its exit status, skipping the teardown. Anywhere else (a forked rank, which
+    multiprocessing ends with ``os._exit``; the process that launched the ranks) it does nothing.
 
-    multiprocessing ends such a process with ``sys.exit(<status>)`` after its function, and torch's spawn
-    wrapper with ``sys.exit(1)`` after an error; the status is known nowhere else, so ``sys.exit`` is wrapped to
-    note it. It is called after the process's imports: the handlers they registered would run after this one,
-    and are skipped with the teardown (caches, open figures, weakref finalizers still alive); logging is flushed.
+    multiprocessing ends a spawned child with ``sys.exit(<status>)`` once its function has ended, however it
+    ended (a stop's 128 + signal, 1 after an error that torch's spawn wrapper reported, 0 otherwise). That status
+    is known nowhere else, so ``sys.exit`` is wrapped to note it: the last call, which is multiprocessing's, wins.
+    It is called after the process's imports, so the handlers they registered would run after this one and are
+    skipped with the teardown (torch's and PIL's caches, matplotlib's figures, weakref finalizers whose atexit
+    hook an import registered); the handlers of the rank's own work (process group, loggers, DataLoader
+    workers) run, and logging is flushed.
     """
     global _exit_code
-    _exit_code = None
-    if getattr(sys.exit, "_notes_status", False):
+    spawned = multiprocessing.parent_process() is not None and multiprocessing.get_start_method(True) == "spawn"
+    if not spawned or getattr(sys.exit, "_notes_status", False):
         return
+    _exit_code = None
     exit_ = sys.exit
 
     def noting_exit(status: object = None) -> NoReturn:

@@ -223,7 +223,7 @@ class SpawnedRank:
         self.function, self.job_logging = function, job_logging
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        prompt_exit.end_spawned_process_promptly()  # no effect on a forked rank: multiprocessing os._exit()s it
+        prompt_exit.end_spawned_process_promptly()  # a spawned rank only (not a forked one, nor a direct call)
         hold_stop_signals()
         if self.job_logging is not None:
             logging.config.dictConfig(self.job_logging)
