@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from typing import NoReturn
 
 _exit_code: int | None = None  # set when main() ended; None: leave the exit to the interpreter
+_noting_sys_exit = False  # whether end_spawned_process_promptly wrapped sys.exit in this process
 
 
 def _end_now() -> None:
@@ -81,11 +82,11 @@ def end_spawned_process_promptly() -> None:
     hook an import registered); the handlers of the rank's own work (process group, loggers, DataLoader
     workers) run, and logging is flushed.
     """
-    global _exit_code
+    global _noting_sys_exit
     spawned = multiprocessing.parent_process() is not None and multiprocessing.get_start_method(True) == "spawn"
-    if not spawned or getattr(sys.exit, "_notes_status", False):
+    if not spawned or _noting_sys_exit:
         return
-    _exit_code = None
+    _noting_sys_exit = True
     exit_ = sys.exit
 
     def noting_exit(status: object = None) -> NoReturn:
@@ -93,7 +94,6 @@ def end_spawned_process_promptly() -> None:
         _exit_code = _status(status)
         exit_(status)
 
-    noting_exit._notes_status = True  # type: ignore[attr-defined]
     sys.exit = noting_exit
     install()
 
